@@ -1,0 +1,17 @@
+"""dtq: per-direction ("hybrid") quantized parameters as first-class citizens of sharded training."""
+
+import torch
+
+from dtq.formats import (COLUMNWISE, DIRECTIONS, ROWWISE, Float8BlockQuantizer, Float8Quantizer,
+                         HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer)
+from dtq.tensor import QuantizedTensor, quantized_safe_globals
+
+__version__ = "0.1.0"
+
+# torch.load(weights_only=True) rebuilds QuantizedTensors (payloads bit-exact) without extra setup.
+torch.serialization.add_safe_globals(quantized_safe_globals())
+
+__all__ = [
+    "Quantizer", "Float8Quantizer", "Float8BlockQuantizer", "MXFP8Quantizer", "NVFP4Quantizer",
+    "IdentityQuantizer", "HybridQuantizer", "QuantizedTensor", "ROWWISE", "COLUMNWISE", "DIRECTIONS",
+]

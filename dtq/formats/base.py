@@ -1,0 +1,254 @@
+"""Quantizer configs, the codec interface, and the one registry that maps a config to its codec.
+
+A *quantizer* is a small frozen dataclass: the settings of one format, with value equality and no
+state. A *codec* is the stateless code that turns a 2-D fp32 tensor into the payload of one
+direction and back. Everything outside ``dtq/formats`` reaches format-specific behaviour only
+through :func:`codec_for`, so a new format is one new file here.
+
+Conventions shared by every codec:
+
+* the input is viewed as 2-D ``[M, K]`` (all leading dims flattened);
+* both directions are stored in the logical orientation ``[M, K]``: the rowwise payload has its
+  blocks along K, the columnwise payload its blocks along M. Dim-0 slices and concatenations of a
+  payload are therefore plain row ranges of each payload tensor, which is what FSDP2 and sequence
+  parallel gathers need; GEMMs transpose where a kernel wants another layout;
+* ``fields`` tells, for every payload tensor, how many logical rows one of its rows covers
+  (``None`` for per-tensor values that every slice shares). Generic code splits and concatenates
+  payloads from that table alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, ClassVar, Mapping
+
+import torch
+
+if TYPE_CHECKING:
+    from dtq.tensor import QuantizedTensor
+
+ROWWISE = "rowwise"
+COLUMNWISE = "columnwise"
+DIRECTIONS = (ROWWISE, COLUMNWISE)
+
+Payload = dict  # dict[str, torch.Tensor]: the plain tensors of one direction
+
+
+def check_direction(direction: str) -> str:
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be 'rowwise' or 'columnwise', got {direction!r}")
+    return direction
+
+
+class Codec:
+    """Format-specific behaviour of one direction. All methods are classmethods taking the
+    (non-hybrid) quantizer config ``q``."""
+
+    name: ClassVar[str]  # short format name used in byte counters: fp8, fp8_block, mxfp8, ...
+
+    @classmethod
+    def fields(cls, q, direction: str) -> dict[str, int | None]:
+        raise NotImplementedError
+
+    @classmethod
+    def check_shape(cls, q, shape: tuple[int, int], direction: str) -> None:
+        """Raise ValueError if this direction cannot represent a [M, K] tensor."""
+
+    @classmethod
+    def needs_amax(cls, q, direction: str) -> bool:
+        """Whether the direction depends on one tensor-wide amax (reduced across ranks when sharded)."""
+        return False
+
+    @classmethod
+    def local_amax(cls, q, x: torch.Tensor, direction: str) -> torch.Tensor:
+        return x.abs().amax().to(torch.float32) if x.numel() else torch.zeros((), device=x.device)
+
+    @classmethod
+    def uses_rng(cls, q, direction: str) -> bool:
+        return False
+
+    @classmethod
+    def quantize(cls, q, x: torch.Tensor, direction: str, amax: torch.Tensor | None,
+                 seed: torch.Tensor | None) -> Payload:
+        """``x`` is [M, K] contiguous in the caller's dtype (codecs compute in fp32). ``amax`` is
+        given iff ``needs_amax``; ``seed`` iff ``uses_rng``."""
+        raise NotImplementedError
+
+    @classmethod
+    def dequantize(cls, q, payload: Payload, direction: str, shape: tuple[int, int]) -> torch.Tensor:
+        """Back to [M, K] fp32 in the input's value space."""
+        raise NotImplementedError
+
+    @classmethod
+    def dequantize_factored(cls, q, payload: Payload, direction: str,
+                            shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(values, factor)`` with ``values * factor ~= dequantize(...)``: the per-tensor factor is
+        split off so an emulated GEMM applies it after the product, as native scaled GEMMs do."""
+        return cls.dequantize(q, payload, direction, shape), None
+
+    @classmethod
+    def empty(cls, q, shape: tuple[int, int], direction: str, device: torch.device,
+              dtype: torch.dtype) -> Payload:
+        """Zero-filled payload of the right layout (dequantizes to zeros); draws no random numbers."""
+        raise NotImplementedError
+
+    @classmethod
+    def derive(cls, q, payload: Payload, src: str, dst: str) -> Payload | None:
+        """The ``dst`` payload computed exactly from the ``src`` one, or None if that loses bits."""
+        return None
+
+    @classmethod
+    def reusable_amax(cls, q, payload: Payload, src: str, dst: str) -> torch.Tensor | None:
+        """The tensor-wide amax held in a ``src`` payload if ``dst`` needs that same value, else None."""
+        return None
+
+    @classmethod
+    def lossless(cls, q, dtype: torch.dtype) -> bool:
+        """Whether dequantizing gives back a ``dtype`` input exactly (only passthrough formats)."""
+        return False
+
+
+_REGISTRY: dict[type, type[Codec]] = {}
+_BY_NAME: dict[str, type] = {}
+
+
+def register(quantizer_cls: type):
+    """Class decorator: ``@register(MyQuantizer) class MyCodec(Codec): ...``."""
+
+    def deco(codec_cls: type[Codec]) -> type[Codec]:
+        if quantizer_cls in _REGISTRY:
+            raise RuntimeError(f"{quantizer_cls.__name__} already has a codec")
+        _REGISTRY[quantizer_cls] = codec_cls
+        _BY_NAME[codec_cls.name] = quantizer_cls
+        return codec_cls
+
+    return deco
+
+
+def codec_for(q: "Quantizer") -> type[Codec]:
+    try:
+        return _REGISTRY[type(q)]
+    except KeyError:
+        raise TypeError(f"{type(q).__name__} has no registered codec (is it a plain format quantizer?)") from None
+
+
+def registered_quantizers() -> tuple[type, ...]:
+    return tuple(_REGISTRY)
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantizer:
+    """Base of every quantizer config. Subclasses are frozen dataclasses validated in ``__post_init__``."""
+
+    def for_direction(self, direction: str) -> "Quantizer":
+        """The plain quantizer that produces ``direction`` (itself, except for a hybrid)."""
+        check_direction(direction)
+        return self
+
+    @property
+    def format_name(self) -> str:
+        return codec_for(self).name
+
+    def block_rows(self, direction: str) -> int:
+        """Dim-0 alignment of ``direction``: a dim-0 slice must start (and end, unless at the end)
+        on a multiple of this."""
+        sub = self.for_direction(direction)
+        return max((r for r in codec_for(sub).fields(sub, direction).values() if r), default=1)
+
+    def local_amax(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = True) -> dict[str, torch.Tensor]:
+        """The tensor-wide amax each requested direction needs, computed on this (local) tensor.
+        Reduce the values with MAX across ranks and pass them to ``quantize(amax=...)`` so that
+        shards quantize as slices of the whole."""
+        x2 = _as_2d(x, self)
+        out = {}
+        for d in _wanted(rowwise, columnwise):
+            sub = self.for_direction(d)
+            codec = codec_for(sub)
+            if codec.needs_amax(sub, d):
+                out[d] = codec.local_amax(sub, x2, d)
+        return out
+
+    def quantize(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = True,
+                 amax: Mapping[str, torch.Tensor] | torch.Tensor | None = None,
+                 seed: int | torch.Tensor | None = None) -> "QuantizedTensor":
+        """Quantize a high-precision tensor into the requested directions.
+
+        ``amax`` overrides the tensor-wide amax (a tensor for every direction that needs one, or a
+        ``{direction: tensor}`` mapping, e.g. the all-reduced result of :meth:`local_amax`).
+        ``seed`` fixes stochastic rounding; by default one seed is drawn from torch's generator
+        of the input's device, so activation recompute (which restores RNG state) replays it.
+        """
+        from dtq.tensor import QuantizedTensor
+
+        payloads = quantize_payloads(self, x, _wanted(rowwise, columnwise), amax=amax, seed=seed)
+        return QuantizedTensor(x.shape, x.dtype, self, payloads, requires_grad=False)
+
+
+def _wanted(rowwise: bool, columnwise: bool) -> tuple[str, ...]:
+    dirs = tuple(d for d, on in zip(DIRECTIONS, (rowwise, columnwise)) if on)
+    if not dirs:
+        raise ValueError("quantize needs at least one of rowwise=True / columnwise=True")
+    return dirs
+
+
+def _as_2d(x: torch.Tensor, q: Quantizer) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"{type(q).__name__}.quantize expects a floating-point torch.Tensor, got "
+                        f"{getattr(x, 'dtype', type(x))}")
+    if type(x) is not torch.Tensor and hasattr(x, "dequantize") and hasattr(x, "_payloads"):
+        raise TypeError(f"{type(q).__name__}.quantize got a QuantizedTensor; call .dequantize() first "
+                        "or use copy_() to requantize into an existing one")
+    if x.dim() == 0:
+        raise ValueError(f"{type(q).__name__} cannot quantize a 0-dim tensor; give it at least one dimension")
+    return x.detach().reshape(-1, x.shape[-1]) if x.dim() != 2 else x.detach()
+
+
+def shape_2d(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
+    if len(shape) == 0:
+        raise ValueError("quantized tensors need at least one dimension")
+    k = shape[-1]
+    m = 1
+    for s in shape[:-1]:
+        m *= s
+    return m, k
+
+
+def quantize_payloads(q: Quantizer, x: torch.Tensor, directions: tuple[str, ...],
+                      amax=None, seed=None) -> dict[str, Payload]:
+    """Payloads of ``directions`` for ``x`` (the engine behind ``Quantizer.quantize``)."""
+    x2 = _as_2d(x, q)
+    shape = tuple(x2.shape)
+    subs = {d: q.for_direction(d) for d in directions}
+    for d, sub in subs.items():
+        codec_for(sub).check_shape(sub, shape, d)
+    if any(codec_for(s).uses_rng(s, d) for d, s in subs.items()):
+        if seed is None:
+            gen_device = x.device if x.device.type != "meta" else torch.device("cpu")
+            seed = torch.randint(0, 2**31 - 1, (), device=gen_device, dtype=torch.int64)
+        elif not isinstance(seed, torch.Tensor):
+            seed = torch.tensor(int(seed), dtype=torch.int64)
+    xc = x2.contiguous()
+    out = {}
+    for d, sub in subs.items():
+        codec = codec_for(sub)
+        a = None
+        if codec.needs_amax(sub, d):
+            if amax is None:
+                a = codec.local_amax(sub, xc, d)
+            elif isinstance(amax, torch.Tensor):
+                a = amax
+            elif d in amax:
+                a = amax[d]
+            else:
+                a = codec.local_amax(sub, xc, d)
+            a = a.to(device=xc.device, dtype=torch.float32).reshape(())
+        out[d] = codec.quantize(sub, xc, d, a, seed if codec.uses_rng(sub, d) else None)
+    return out
+
+
+def shape_error(q: Quantizer, shape: tuple[int, int], direction: str, requirement: str) -> ValueError:
+    return ValueError(
+        f"{type(q).__name__} ({direction}) cannot quantize a tensor viewed as [M, K] = {list(shape)}: "
+        f"{requirement}. Pad the tensor, choose a shape that meets this, or use another format for "
+        f"this tensor (e.g. Float8BlockQuantizer allows partial blocks)."
+    )

@@ -1,0 +1,62 @@
+"""FP8 with one fp32 scale for the whole tensor (current scaling).
+
+``scale = fp8_max / amax`` (1 if amax is 0 or non-finite, capped at the fp32 max), optionally
+rounded down to a power of two; ``q = sat(x * scale)``; the payload keeps ``scale_inv = 1 / scale``.
+Both directions hold the same codes (one scale), so either is derived exactly from the other.
+
+Payload per direction: ``data`` [M, K] float8, ``scale_inv`` fp32 0-dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from dtq import _bits
+from dtq.formats.base import Codec, Quantizer, register
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Quantizer(Quantizer):
+    dtype: torch.dtype = torch.float8_e4m3fn
+    pow2_scales: bool = False
+
+    def __post_init__(self):
+        _bits.check_fp8_dtype(self.dtype, "Float8Quantizer")
+
+
+@register(Float8Quantizer)
+class Float8Codec(Codec):
+    name = "fp8"
+
+    @classmethod
+    def fields(cls, q, direction):
+        return {"data": 1, "scale_inv": None}
+
+    @classmethod
+    def needs_amax(cls, q, direction):
+        return True
+
+    @classmethod
+    def quantize(cls, q, x, direction, amax, seed):
+        scale = _bits.per_tensor_scale(amax, _bits.FP8_MAX[q.dtype], q.pow2_scales)
+        data = _bits.cast_fp8(x.float() * scale, q.dtype)
+        return {"data": data, "scale_inv": torch.reciprocal(scale)}
+
+    @classmethod
+    def dequantize(cls, q, payload, direction, shape):
+        return payload["data"].to(torch.float32) * payload["scale_inv"]
+
+    @classmethod
+    def dequantize_factored(cls, q, payload, direction, shape):
+        return payload["data"].to(torch.float32), payload["scale_inv"]
+
+    @classmethod
+    def empty(cls, q, shape, direction, device, dtype):
+        return {"data": torch.zeros(shape, dtype=q.dtype, device=device),
+                "scale_inv": torch.ones((), dtype=torch.float32, device=device)}
+
+    @classmethod
+    def derive(cls, q, payload, src, dst):
+        return {k: v.clone() for k, v in payload.items()}

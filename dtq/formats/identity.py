@@ -1,0 +1,54 @@
+"""High-precision passthrough: one direction of a hybrid can stay unquantized.
+
+Payload per direction: ``data`` [M, K] in ``dtype`` (the input's dtype when ``dtype`` is None).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from dtq.formats.base import Codec, Quantizer, register
+
+
+@dataclasses.dataclass(frozen=True)
+class IdentityQuantizer(Quantizer):
+    dtype: torch.dtype | None = None
+
+    def __post_init__(self):
+        if self.dtype is not None and not self.dtype.is_floating_point:
+            raise ValueError(f"IdentityQuantizer: dtype={self.dtype} is not a floating-point dtype; "
+                             "use None (keep the input dtype), torch.bfloat16, torch.float16 or torch.float32")
+        if self.dtype is not None and self.dtype.itemsize < 2:
+            raise ValueError(f"IdentityQuantizer: dtype={self.dtype} is a quantized dtype; use Float8Quantizer "
+                             "for FP8, or a 16/32-bit float here")
+
+
+@register(IdentityQuantizer)
+class IdentityCodec(Codec):
+    name = "identity"
+
+    @classmethod
+    def fields(cls, q, direction):
+        return {"data": 1}
+
+    @classmethod
+    def quantize(cls, q, x, direction, amax, seed):
+        return {"data": x.to(q.dtype or x.dtype, copy=True)}
+
+    @classmethod
+    def dequantize(cls, q, payload, direction, shape):
+        return payload["data"].to(torch.float32, copy=True)  # never hand out the stored data itself
+
+    @classmethod
+    def empty(cls, q, shape, direction, device, dtype):
+        return {"data": torch.zeros(shape, dtype=q.dtype or dtype, device=device)}
+
+    @classmethod
+    def derive(cls, q, payload, src, dst):
+        return {"data": payload["data"].clone()}
+
+    @classmethod
+    def lossless(cls, q, dtype):
+        return q.dtype is None or q.dtype == dtype
