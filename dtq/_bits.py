@@ -43,6 +43,13 @@ def cast_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return q
 
 
+def canonical_nan(x: torch.Tensor) -> torch.Tensor:
+    """NaNs replaced by the one canonical quiet NaN of x's dtype (reductions and casts on different
+    devices produce different NaN payload bits; stored payloads must not depend on the device)."""
+    nan = torch.isnan(x)
+    return torch.where(nan, torch.full_like(x, float("nan")), x)
+
+
 def floor_log2(v: torch.Tensor) -> torch.Tensor:
     """Exact floor(log2(v)) for positive finite fp32 values (subnormals included), as int32."""
     _, e = torch.frexp(v)

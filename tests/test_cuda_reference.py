@@ -23,7 +23,8 @@ QUANTIZERS = [
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.element_size() == 1 else t
+    # Compare bit patterns (NaN != NaN as floats).
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def _assert_same_payloads(a: dtq.QuantizedTensor, b: dtq.QuantizedTensor):

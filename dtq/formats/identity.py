@@ -9,6 +9,7 @@ import dataclasses
 
 import torch
 
+from dtq import _bits
 from dtq.formats.base import Codec, Quantizer, register
 
 
@@ -35,7 +36,9 @@ class IdentityCodec(Codec):
 
     @classmethod
     def quantize(cls, q, x, direction, amax, seed):
-        return {"data": x.to(q.dtype or x.dtype, copy=True)}
+        if q.dtype is None or q.dtype == x.dtype:
+            return {"data": x.clone()}  # bit-exact passthrough
+        return {"data": _bits.canonical_nan(x.to(q.dtype))}
 
     @classmethod
     def dequantize(cls, q, payload, direction, shape):

@@ -117,7 +117,7 @@ class NVFP4Codec(Codec):
             codes = _bits.e2m1_encode(scaled)
         zero_block = _bits.expand_blocks(s_bf == 0, tile, tuple(x.shape))
         codes = torch.where(zero_block, torch.zeros_like(codes), codes)
-        return {"data": _bits.pack_nibbles(codes), "scale": s_b, "amax": amax.clone()}
+        return {"data": _bits.pack_nibbles(codes), "scale": s_b, "amax": _bits.canonical_nan(amax)}
 
     @classmethod
     def dequantize(cls, q, payload, direction, shape):
