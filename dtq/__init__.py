@@ -5,6 +5,11 @@ import torch
 from dtq.formats import (COLUMNWISE, DIRECTIONS, ROWWISE, Float8BlockQuantizer, Float8Quantizer,
                          HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer)
 from dtq.tensor import QuantizedTensor, quantized_safe_globals
+from dtq.recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+                        MXFP8BlockScaling, NVFP4BlockScaling, QuantizerRole, Recipe, hybrid_recipe)
+from dtq.autocast import autocast
+from dtq import nn
+from dtq.convert import convert
 
 __version__ = "0.1.0"
 
@@ -14,4 +19,6 @@ torch.serialization.add_safe_globals(quantized_safe_globals())
 __all__ = [
     "Quantizer", "Float8Quantizer", "Float8BlockQuantizer", "MXFP8Quantizer", "NVFP4Quantizer",
     "IdentityQuantizer", "HybridQuantizer", "QuantizedTensor", "ROWWISE", "COLUMNWISE", "DIRECTIONS",
+    "QuantizerRole", "Recipe", "CustomRecipe", "Float8CurrentScaling", "DelayedScaling", "Float8BlockScaling",
+    "MXFP8BlockScaling", "NVFP4BlockScaling", "hybrid_recipe", "autocast", "nn", "convert",
 ]

@@ -1,0 +1,195 @@
+"""Quantized GEMM dispatch on (format of A, format of B, device).
+
+``mm(a, b, ...)`` computes ``op(A) @ op(B)`` where each operand is a 2-D ``QuantizedTensor`` (one
+of its directions) or a plain high-precision tensor. A native scaled GEMM runs where the hardware
+has one for that pairing; everything else is emulated: dequantize to fp32 (per-tensor factors
+split off), fp32 matmul, factors applied after. Any pairing therefore works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable, Iterator
+
+import torch
+
+from dtq.formats.base import codec_for, shape_2d
+from dtq.tensor import QuantizedTensor
+
+_recorders: list[list[str]] = []
+
+
+@contextlib.contextmanager
+def record_paths() -> Iterator[list[str]]:
+    """Collect the name of every GEMM path taken inside the block (for tests and debugging)."""
+    rec: list[str] = []
+    _recorders.append(rec)
+    try:
+        yield rec
+    finally:
+        _recorders.remove(rec)
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """One GEMM operand: a tensor, which direction of it to read, and whether to transpose it."""
+
+    tensor: torch.Tensor
+    direction: str = "rowwise"
+    transpose: bool = False
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.tensor, QuantizedTensor)
+
+    @property
+    def quantizer(self):
+        return self.tensor.quantizer.for_direction(self.direction) if self.quantized else None
+
+    @property
+    def format(self) -> str:
+        return self.quantizer.format_name if self.quantized else "hp"
+
+    @property
+    def payload(self) -> dict:
+        return self.tensor.payload(self.direction)
+
+    def logical_shape(self) -> tuple[int, int]:
+        m, k = shape_2d(self.tensor.shape)
+        return (k, m) if self.transpose else (m, k)
+
+    def values(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 [rows, cols] of op(X) and its per-tensor factor."""
+        if self.quantized:
+            q = self.quantizer
+            vals, factor = codec_for(q).dequantize_factored(q, self.payload, self.direction, shape_2d(self.tensor.shape))
+        else:
+            vals, factor = self.tensor.reshape(-1, self.tensor.shape[-1]).to(torch.float32), None
+        return (vals.t() if self.transpose else vals), factor
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmPath:
+    name: str
+    supports: Callable[[Operand, Operand, torch.dtype], bool]
+    run: Callable[[Operand, Operand, torch.dtype], torch.Tensor]
+
+
+def _emulated(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    va, fa = a.values()
+    vb, fb = b.values()
+    out = va @ vb
+    for f in (fa, fb):
+        if f is not None:
+            out = out * f
+    return out.to(out_dtype)
+
+
+def _sm_at_least(t: torch.Tensor, major: int, minor: int = 0) -> bool:
+    return t.is_cuda and torch.cuda.get_device_capability(t.device) >= (major, minor)
+
+
+def _fp8_tensorwise_ok(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
+    if a.format != "fp8" or b.format != "fp8" or not _sm_at_least(a.tensor, 8, 9):
+        return False
+    if a.quantizer.dtype == torch.float8_e5m2 and b.quantizer.dtype == torch.float8_e5m2:
+        return False  # no E5M2 x E5M2 kernel
+    (m, k), (k2, n) = a.logical_shape(), b.logical_shape()
+    return m % 16 == 0 and k % 16 == 0 and n % 16 == 0 and out_dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fp8_tensorwise(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    # cuBLASLt FP8 wants A row-major and B column-major ("TN"); transposes of the stored
+    # [M, K] codes happen here (views when the layout already fits).
+    da = a.payload["data"]
+    da = (da.t() if a.transpose else da).contiguous()
+    db = b.payload["data"]
+    db = db.t() if b.transpose else db
+    db = db.t().contiguous().t()
+    return torch._scaled_mm(da, db, scale_a=a.payload["scale_inv"].reshape(()).float(),
+                            scale_b=b.payload["scale_inv"].reshape(()).float(), out_dtype=out_dtype)
+
+
+def _contraction_dim(op: Operand, is_b: bool) -> int:
+    """Which dim of the stored [M, K] payload is this operand's contraction dim."""
+    logical = 0 if is_b else 1
+    return 1 - logical if op.transpose else logical
+
+
+def _block_kind(op: Operand, is_b: bool) -> str | None:
+    """'1x128' if the operand's 128-blocks run along its contraction dim, '128x128' for square
+    tiles, else None."""
+    if op.format != "fp8_block":
+        return None
+    tile = op.quantizer.tile(op.direction)
+    if tile == (128, 128):
+        return "128x128"
+    return "1x128" if tile[_contraction_dim(op, is_b)] == 128 else None
+
+
+def _fp8_blockwise_ok(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
+    if not _sm_at_least(a.tensor, 9) or torch.cuda.get_device_capability(a.tensor.device)[0] != 9:
+        return False  # cuBLAS's 1x128 / 128x128 FP8 kernels are Hopper's
+    if not hasattr(torch.nn.functional, "scaled_mm"):
+        return False
+    if _block_kind(a, False) != "1x128" or _block_kind(b, True) is None:
+        return False
+    if a.quantizer.dtype == torch.float8_e5m2 and b.quantizer.dtype == torch.float8_e5m2:
+        return False
+    (m, k), (_, n) = a.logical_shape(), b.logical_shape()
+    n_align = 128 if _block_kind(b, True) == "128x128" else 16
+    return (m % 16 == 0 and k % 128 == 0 and n % n_align == 0
+            and out_dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
+def _scales_by_contraction(op: Operand, is_b: bool) -> torch.Tensor:
+    """The operand's scale_inv as [non-contraction, contraction blocks]."""
+    s = op.payload["scale_inv"]
+    return s if _contraction_dim(op, is_b) == 1 else s.t()
+
+
+def _colmajor(t: torch.Tensor) -> torch.Tensor:
+    return t.t().contiguous().t()
+
+
+def _fp8_blockwise(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    # Layouts cuBLAS takes on sm_90 (probed with bench/probe_blockwise_mm.py): A row-major with
+    # 1x128 scales [m, k/128] column-major; B column-major with 1x128 scales [n, k/128]
+    # column-major, or 128x128 scales [k/128 padded to a multiple of 4, n/128] column-major.
+    F = torch.nn.functional
+    da = a.payload["data"]
+    da = (da.t() if a.transpose else da).contiguous()
+    db = b.payload["data"]
+    db = _colmajor(db.t() if b.transpose else db)
+    sa = _colmajor(_scales_by_contraction(a, False).float())
+    sb = _scales_by_contraction(b, True).float()
+    if _block_kind(b, True) == "128x128":
+        pad = -sb.shape[1] % 4
+        sb = F.pad(sb, (0, pad), value=1.0).contiguous().t()
+        recipe_b = F.ScalingType.BlockWise128x128
+    else:
+        sb = _colmajor(sb)
+        recipe_b = F.ScalingType.BlockWise1x128
+    return F.scaled_mm(da, db, sa, F.ScalingType.BlockWise1x128, sb, recipe_b, output_dtype=out_dtype)
+
+
+PATHS: list[GemmPath] = [
+    GemmPath("fp8_tensorwise_scaled_mm", _fp8_tensorwise_ok, _fp8_tensorwise),
+    GemmPath("fp8_blockwise_scaled_mm", _fp8_blockwise_ok, _fp8_blockwise),
+    GemmPath("emulated", lambda a, b, o: True, _emulated),
+]
+
+
+def mm(a: Operand, b: Operand, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``op(A) @ op(B)`` through the first path that supports this pairing."""
+    (m, k), (k2, n) = a.logical_shape(), b.logical_shape()
+    if k != k2:
+        raise ValueError(f"GEMM shape mismatch: op(A) is [{m}, {k}] ({a.format} {a.direction}) but op(B) is "
+                         f"[{k2}, {n}] ({b.format} {b.direction}); the inner dimensions must agree")
+    for path in PATHS:
+        if path.supports(a, b, out_dtype):
+            for rec in _recorders:
+                rec.append(path.name)
+            return path.run(a, b, out_dtype)
+    raise AssertionError("the emulated path supports every pairing")

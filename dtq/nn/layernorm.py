@@ -1,0 +1,74 @@
+"""``LayerNormLinear`` and ``LayerNormMLP``: a high-precision norm feeding quantized GEMMs."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dtq.nn.module import QuantizedModule, init_bias, init_weight
+
+NORMS = ("LayerNorm", "RMSNorm")
+ACTIVATIONS = ("gelu", "swiglu")
+
+
+class _Norm(torch.nn.Module):
+    def __init__(self, kind: str, hidden: int, eps: float, dtype, device):
+        super().__init__()
+        if kind not in NORMS:
+            raise ValueError(f"normalization={kind!r}; use one of {NORMS}")
+        self.kind, self.eps = kind, eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
+        self.bias = torch.nn.Parameter(torch.zeros(hidden, dtype=dtype, device=device)) if kind == "LayerNorm" else None
+
+    def forward(self, x):
+        if self.kind == "LayerNorm":
+            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+
+
+class LayerNormLinear(QuantizedModule):
+    """``Linear(norm(x))`` with LayerNorm or RMSNorm. Roles as ``Linear``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, normalization: str = "LayerNorm",
+                 eps: float = 1e-5, params_dtype: torch.dtype | None = None, device=None, name: str = ""):
+        super().__init__(name)
+        dtype = params_dtype or torch.get_default_dtype()
+        self.norm = _Norm(normalization, in_features, eps, dtype, device)
+        self.weight = init_weight(out_features, in_features, dtype, device)
+        self.bias = init_bias(out_features, in_features, dtype, device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(self.norm(x), self.weight, self.bias)
+
+
+class LayerNormMLP(QuantizedModule):
+    """``fc2(act(fc1(norm(x))))`` with ``activation`` "gelu" or "swiglu" (fc1 then has
+    ``2 * ffn_hidden`` outputs: ``silu(a) * b``). Its two GEMMs get the role names ``name + ".fc1"``
+    and ``name + ".fc2"``."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, bias: bool = True, *, normalization: str = "LayerNorm",
+                 activation: str = "gelu", eps: float = 1e-5, params_dtype: torch.dtype | None = None,
+                 device=None, name: str = ""):
+        super().__init__(name)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"LayerNormMLP: activation={activation!r}; use one of {ACTIVATIONS}")
+        dtype = params_dtype or torch.get_default_dtype()
+        self.activation = activation
+        fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
+        self.norm = _Norm(normalization, hidden_size, eps, dtype, device)
+        self.fc1_weight = init_weight(fc1_out, hidden_size, dtype, device)
+        self.fc1_bias = init_bias(fc1_out, hidden_size, dtype, device) if bias else None
+        self.fc2_weight = init_weight(hidden_size, ffn_hidden_size, dtype, device)
+        self.fc2_bias = init_bias(hidden_size, ffn_hidden_size, dtype, device) if bias else None
+
+    def gemm_suffixes(self) -> list[str]:
+        return [".fc1", ".fc2"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self._linear(self.norm(x), self.fc1_weight, self.fc1_bias, gemm=0)
+        if self.activation == "swiglu":
+            a, b = h.chunk(2, dim=-1)
+            h = F.silu(a) * b
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self._linear(h, self.fc2_weight, self.fc2_bias, gemm=1)

@@ -1,0 +1,208 @@
+"""Roles, recipes and the backward override.
+
+Every quantized tensor slot of a dtq module asks its recipe once, with a :class:`QuantizerRole`,
+which quantizer to use. A recipe is a frozen config: :class:`CustomRecipe` wraps any factory, and
+the built-in recipes are factory presets of the same mechanism.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, ClassVar
+
+import torch
+
+from dtq.formats import (Float8BlockQuantizer, Float8Quantizer, HybridQuantizer, MXFP8Quantizer,
+                         NVFP4Quantizer, Quantizer)
+
+BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
+TENSOR_TYPES = ("input", "weight", "grad_output")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizerRole:
+    """What a quantizer is for: ``module_type`` ("linear", "grouped_linear"), ``tensor_type``
+    ("input", "weight", "grad_output"), ``name`` (the module's fully qualified name when it came
+    from ``dtq.convert``, or the name given to the module; GEMM-specific suffixes such as ".fc1"
+    distinguish the GEMMs of one module)."""
+
+    module_type: str = ""
+    tensor_type: str = ""
+    name: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """Base of all recipes. ``backward_override``: None | "high_precision" | "dequantized"."""
+
+    backward_override: str | None = None
+    delayed: ClassVar[bool] = False  # modules keep amax histories for this recipe's slots
+
+    def __post_init__(self):
+        if self.backward_override not in BACKWARD_OVERRIDES:
+            raise ValueError(f"{type(self).__name__}: backward_override={self.backward_override!r} is not one of "
+                             f"{BACKWARD_OVERRIDES}")
+
+    def qfactory(self, role: QuantizerRole) -> Quantizer | None:
+        raise NotImplementedError
+
+    def quantizer(self, role: QuantizerRole | None) -> Quantizer | None:
+        """The validated quantizer for one slot (None: that slot stays in high precision)."""
+        if role is None:
+            return None
+        q = self.qfactory(role)
+        if q is not None and not isinstance(q, Quantizer):
+            raise TypeError(f"{type(self).__name__}: the quantizer factory returned {type(q).__name__} for {role}; "
+                            "it must return a dtq quantizer (Float8Quantizer, Float8BlockQuantizer, MXFP8Quantizer, "
+                            "NVFP4Quantizer, IdentityQuantizer, HybridQuantizer) or None for high precision")
+        return q
+
+
+@dataclasses.dataclass(frozen=True)
+class CustomRecipe(Recipe):
+    """``qfactory(role) -> quantizer | None`` is called once per quantized slot of every module."""
+
+    qfactory_fn: Callable[[QuantizerRole], Quantizer | None] | None = None
+
+    def __init__(self, qfactory: Callable[[QuantizerRole], Quantizer | None], backward_override: str | None = None):
+        object.__setattr__(self, "qfactory_fn", qfactory)
+        object.__setattr__(self, "backward_override", backward_override)
+        self.__post_init__()
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not callable(self.qfactory_fn):
+            raise TypeError(f"CustomRecipe: qfactory must be callable (role -> quantizer), got {type(self.qfactory_fn).__name__}")
+
+    def qfactory(self, role):
+        return self.qfactory_fn(role)
+
+
+def _fp8_dtypes(fp8_format: str) -> tuple[torch.dtype, torch.dtype]:
+    """(forward dtype, grad dtype) of a TransformerEngine-style format name."""
+    table = {"E4M3": (torch.float8_e4m3fn, torch.float8_e4m3fn),
+             "HYBRID": (torch.float8_e4m3fn, torch.float8_e5m2)}
+    if fp8_format not in table:
+        raise ValueError(f"fp8_format={fp8_format!r}; use 'HYBRID' (E4M3 forward, E5M2 gradients) or 'E4M3'")
+    return table[fp8_format]
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8CurrentScaling(Recipe):
+    """FP8 per-tensor, scale from the current amax."""
+
+    fp8_format: str = "HYBRID"
+    pow2_scales: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        _fp8_dtypes(self.fp8_format)
+
+    def qfactory(self, role):
+        fwd, bwd = _fp8_dtypes(self.fp8_format)
+        return Float8Quantizer(bwd if role.tensor_type == "grad_output" else fwd, pow2_scales=self.pow2_scales)
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling(Float8CurrentScaling):
+    """FP8 per-tensor, scale from an amax history kept by each module (``amax_history_len`` steps,
+    reduced by ``amax_compute_algo``), divided by ``2**margin``."""
+
+    margin: int = 0
+    amax_history_len: int = 16
+    amax_compute_algo: str = "max"
+    delayed: ClassVar[bool] = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.backward_override is not None:
+            raise ValueError(f"DelayedScaling does not support backward_override={self.backward_override!r}: its "
+                             "gradient amax history needs quantized gradients. Use Float8CurrentScaling("
+                             f"backward_override={self.backward_override!r}) instead")
+        if self.amax_history_len < 1:
+            raise ValueError(f"DelayedScaling: amax_history_len={self.amax_history_len} must be >= 1")
+        if self.amax_compute_algo not in ("max", "most_recent"):
+            raise ValueError(f"DelayedScaling: amax_compute_algo={self.amax_compute_algo!r}; use 'max' or 'most_recent'")
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8BlockScaling(Recipe):
+    """FP8 with 1x128 blocks for activations and gradients, 128x128 blocks for weights."""
+
+    fp8_format: str = "E4M3"
+
+    def __post_init__(self):
+        super().__post_init__()
+        _fp8_dtypes(self.fp8_format)
+
+    def qfactory(self, role):
+        fwd, bwd = _fp8_dtypes(self.fp8_format)
+        if role.tensor_type == "weight":
+            return Float8BlockQuantizer((128, 128), fwd)
+        return Float8BlockQuantizer((1, 128), bwd if role.tensor_type == "grad_output" else fwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP8BlockScaling(Recipe):
+    """MXFP8 for every tensor (E8M0 scales per 32 elements)."""
+
+    fp8_format: str = "E4M3"
+    scale_rounding: str = "ceil"
+
+    def __post_init__(self):
+        super().__post_init__()
+        _fp8_dtypes(self.fp8_format)
+        MXFP8Quantizer(scale_rounding=self.scale_rounding)
+
+    def qfactory(self, role):
+        fwd, bwd = _fp8_dtypes(self.fp8_format)
+        return MXFP8Quantizer(bwd if role.tensor_type == "grad_output" else fwd, self.scale_rounding)
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4BlockScaling(Recipe):
+    """NVFP4: 16x16 blocks for weights, 1x16 for activations and gradients, stochastic rounding on
+    gradients and a random Hadamard transform on the wgrad operands (input and gradient columnwise).
+
+    ``stochastic_rounding`` / ``random_hadamard`` default to on, and to off under a backward
+    override (which quantizes no gradient and builds no columnwise payload); asking for them
+    explicitly together with an override is an error."""
+
+    weight_2d: bool = True
+    stochastic_rounding: bool | None = None
+    random_hadamard: bool | None = None
+    hadamard_seed: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        for opt in ("stochastic_rounding", "random_hadamard"):
+            val = getattr(self, opt)
+            if self.backward_override is not None and val:
+                raise ValueError(f"NVFP4BlockScaling: {opt}=True has no effect with backward_override="
+                                 f"{self.backward_override!r} (gradients are not quantized and no columnwise "
+                                 f"payload is built); drop one of the two")
+            if val is None:
+                object.__setattr__(self, opt, self.backward_override is None)
+
+    def qfactory(self, role):
+        if role.tensor_type == "weight":
+            return NVFP4Quantizer((16, 16) if self.weight_2d else (1, 16))
+        grad = role.tensor_type == "grad_output"
+        return NVFP4Quantizer((1, 16), stochastic_rounding=bool(self.stochastic_rounding and grad),
+                              random_hadamard=bool(self.random_hadamard), hadamard_seed=self.hadamard_seed)
+
+
+def hybrid_recipe(rowwise: Recipe, columnwise: Recipe, grad: Recipe | None = None,
+                  backward_override: str | None = None) -> CustomRecipe:
+    """Inputs and weights quantized rowwise as ``rowwise`` and columnwise as ``columnwise``;
+    gradients as ``grad`` (default: ``columnwise``)."""
+
+    def factory(role: QuantizerRole) -> Quantizer | None:
+        if role.tensor_type == "grad_output":
+            return (grad or columnwise).quantizer(role)
+        r, c = rowwise.quantizer(role), columnwise.quantizer(role)
+        if r is None or c is None:
+            return r or c
+        return HybridQuantizer(rowwise=r.for_direction("rowwise"), columnwise=c.for_direction("columnwise"))
+
+    return CustomRecipe(factory, backward_override=backward_override)
