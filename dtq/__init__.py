@@ -6,10 +6,12 @@ from dtq.formats import (COLUMNWISE, DIRECTIONS, ROWWISE, Float8BlockQuantizer, 
                          HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer)
 from dtq.tensor import QuantizedTensor, quantized_safe_globals
 from dtq.recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
-                        MXFP8BlockScaling, NVFP4BlockScaling, QuantizerRole, Recipe, hybrid_recipe)
+                        HybridRecipe, MXFP8BlockScaling, NVFP4BlockScaling, QuantizerRole, Recipe,
+                        hybrid_recipe)
 from dtq.autocast import autocast
 from dtq import nn
 from dtq.convert import convert
+from dtq import parallel, testing
 
 __version__ = "0.1.0"
 
@@ -20,5 +22,5 @@ __all__ = [
     "Quantizer", "Float8Quantizer", "Float8BlockQuantizer", "MXFP8Quantizer", "NVFP4Quantizer",
     "IdentityQuantizer", "HybridQuantizer", "QuantizedTensor", "ROWWISE", "COLUMNWISE", "DIRECTIONS",
     "QuantizerRole", "Recipe", "CustomRecipe", "Float8CurrentScaling", "DelayedScaling", "Float8BlockScaling",
-    "MXFP8BlockScaling", "NVFP4BlockScaling", "hybrid_recipe", "autocast", "nn", "convert",
+    "MXFP8BlockScaling", "NVFP4BlockScaling", "HybridRecipe", "hybrid_recipe", "autocast", "nn", "convert", "parallel", "testing",
 ]

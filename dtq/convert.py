@@ -6,49 +6,62 @@ from typing import Callable
 
 import torch
 
-from dtq.formats import COLUMNWISE, ROWWISE
 from dtq.nn.linear import Linear
-from dtq.nn.module import QuantizedModule
+from dtq.nn.module import QuantizedModule, as_weight
 from dtq.recipe import Recipe
 
 
-def quantize_module_weights(module: QuantizedModule, recipe: Recipe) -> None:
+def quantize_module_weights(module: QuantizedModule, recipe: Recipe, memo: dict | None = None) -> None:
     """Replace each GEMM weight of ``module`` by a QuantizedTensor parameter made by ``recipe``'s
-    weight quantizer (both directions, or rowwise only under a backward override)."""
+    weight quantizer (both directions, or rowwise only under a backward override). ``memo`` maps
+    an original parameter to its replacement, so tied weights stay tied."""
     if recipe is None:
         raise ValueError("quantized_params=True needs a recipe to quantize the weights with, e.g. "
                          "dtq.convert(model, recipe=dtq.MXFP8BlockScaling(), quantized_params=True)")
-    weights = [n for n, p in module.named_parameters(recurse=False) if n.startswith(("weight", "fc1_weight", "fc2_weight"))]
-    roles = [r for r in module.quantizer_roles() if r is not None and r.tensor_type == "weight"]
-    for pname, role in zip(sorted(weights, key=_gemm_order), roles):
-        q = recipe.quantizer(role)
+    memo = {} if memo is None else memo
+    for pname in module.weight_names():
+        w = getattr(module, pname)
+        if id(w) in memo:
+            setattr(module, pname, memo[id(w)])
+            continue
+        q = module.weight_quantizer(pname, recipe)
         if q is None:
             continue
-        w = getattr(module, pname)
         with torch.no_grad():
             qw = q.quantize(w, rowwise=True, columnwise=recipe.backward_override is None)
-        setattr(module, pname, torch.nn.Parameter(qw, requires_grad=w.requires_grad))
-
-
-def _gemm_order(pname: str):
-    # weight0 < weight1 < ... ; fc1_weight < fc2_weight; plain "weight" alone.
-    digits = "".join(c for c in pname if c.isdigit())
-    return int(digits) if digits else 0
+        memo[id(w)] = torch.nn.Parameter(qw, requires_grad=w.requires_grad)
+        setattr(module, pname, memo[id(w)])
 
 
 def convert(module: torch.nn.Module, *, recipe: Recipe | None = None, quantized_params: bool = False,
             module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = None) -> torch.nn.Module:
-    """Swap every ``torch.nn.Linear`` (exact type) for ``dtq.nn.Linear`` in place, keeping the same
-    parameter objects, and name each new module by its fully qualified name (its roles' ``name``).
-    ``module_filter_fn(module, fqn)`` returning False keeps a Linear as it is. With
-    ``quantized_params=True`` the weights of every dtq module become QuantizedTensor parameters
-    quantized by ``recipe``. Returns the module (a new one if ``module`` itself was a Linear)."""
+    """Swap every ``torch.nn.Linear`` (exact type) for ``dtq.nn.Linear`` in place and name each new
+    module by its fully qualified name (its roles' ``name``). The converted module keeps the
+    weight values (a new high-precision parameter whose FSDP2 all-gather is quantized: build the
+    optimizer after converting), the same bias parameter, hooks and train/eval mode; a Linear
+    reachable under two names is converted once. ``module_filter_fn(module, fqn)`` returning
+    False keeps a Linear as it is. ``quantized_params=True`` makes the weights of every dtq module
+    QuantizedTensor parameters quantized by ``recipe`` (tied weights stay tied). Returns the
+    module (a new one if ``module`` itself was a Linear)."""
+    if recipe is not None and not quantized_params:
+        raise ValueError("dtq.convert(recipe=...) is used to quantize weights with quantized_params=True; without it, "
+                         "choose the recipe at run time with dtq.autocast(recipe)")
+    swapped: dict[int, Linear] = {}
+    weights: dict[int, torch.nn.Parameter] = {}
+
     def swap(child: torch.nn.Linear, fqn: str) -> Linear:
-        new = Linear(child.in_features, child.out_features, bias=child.bias is not None,
-                     params_dtype=child.weight.dtype, device="meta", name=fqn)
-        new.weight = child.weight
-        new.bias = child.bias
-        return new
+        if id(child) not in swapped:
+            new = Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                         params_dtype=child.weight.dtype, device="meta", name=fqn)
+            if id(child.weight) not in weights:
+                weights[id(child.weight)] = as_weight(child.weight, requires_grad=child.weight.requires_grad)
+            new.weight = weights[id(child.weight)]
+            new.bias = child.bias
+            new.train(child.training)
+            for hooks in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+                getattr(new, hooks).update(getattr(child, hooks))
+            swapped[id(child)] = new
+        return swapped[id(child)]
 
     def keep(child, fqn):
         return type(child) is torch.nn.Linear and (module_filter_fn is None or module_filter_fn(child, fqn))
@@ -56,13 +69,14 @@ def convert(module: torch.nn.Module, *, recipe: Recipe | None = None, quantized_
     if keep(module, ""):
         module = swap(module, "")
     else:
-        for fqn, child in list(module.named_modules()):
-            for cname, grandchild in list(child.named_children()):
+        for fqn, parent in list(module.named_modules(remove_duplicate=False)):
+            for cname, child in list(parent._modules.items()):  # every name, duplicates included
                 full = f"{fqn}.{cname}" if fqn else cname
-                if keep(grandchild, full):
-                    setattr(child, cname, swap(grandchild, full))
+                if child is not None and keep(child, full):
+                    setattr(parent, cname, swap(child, full))
     if quantized_params:
+        memo: dict = {}
         for m in module.modules():
             if isinstance(m, QuantizedModule):
-                quantize_module_weights(m, recipe)
+                quantize_module_weights(m, recipe, memo)
     return module

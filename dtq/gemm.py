@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from typing import Callable, Iterator
 
 import torch
@@ -17,18 +18,33 @@ import torch
 from dtq.formats.base import codec_for, shape_2d
 from dtq.tensor import QuantizedTensor
 
-_recorders: list[list[str]] = []
+_local = threading.local()
 
 
 @contextlib.contextmanager
 def record_paths() -> Iterator[list[str]]:
-    """Collect the name of every GEMM path taken inside the block (for tests and debugging)."""
+    """Collect the name of every GEMM path taken inside the block on this thread (for tests and
+    debugging)."""
     rec: list[str] = []
-    _recorders.append(rec)
+    stack = _local.__dict__.setdefault("recorders", [])
+    stack.append(rec)
     try:
         yield rec
     finally:
-        _recorders.remove(rec)
+        stack.remove(rec)
+
+
+@contextlib.contextmanager
+def _ieee_fp32(device: torch.device) -> Iterator[None]:
+    """Emulated GEMMs accumulate in true fp32, also where a user allowed TF32 matmuls."""
+    if device.type != "cuda" or not torch.backends.cuda.matmul.allow_tf32:
+        yield
+        return
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,14 +72,14 @@ class Operand:
         return self.tensor.payload(self.direction)
 
     def logical_shape(self) -> tuple[int, int]:
-        m, k = shape_2d(self.tensor.shape)
+        m, k = self.tensor.shape2d if self.quantized else shape_2d(self.tensor.shape)
         return (k, m) if self.transpose else (m, k)
 
     def values(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """fp32 [rows, cols] of op(X) and its per-tensor factor."""
         if self.quantized:
             q = self.quantizer
-            vals, factor = codec_for(q).dequantize_factored(q, self.payload, self.direction, shape_2d(self.tensor.shape))
+            vals, factor = codec_for(q).dequantize_factored(q, self.payload, self.direction, self.tensor.shape2d)
         else:
             vals, factor = self.tensor.reshape(-1, self.tensor.shape[-1]).to(torch.float32), None
         return (vals.t() if self.transpose else vals), factor
@@ -79,7 +95,8 @@ class GemmPath:
 def _emulated(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
     va, fa = a.values()
     vb, fb = b.values()
-    out = va @ vb
+    with _ieee_fp32(va.device):
+        out = va @ vb
     for f in (fa, fb):
         if f is not None:
             out = out * f
@@ -189,7 +206,7 @@ def mm(a: Operand, b: Operand, out_dtype: torch.dtype = torch.float32) -> torch.
                          f"[{k2}, {n}] ({b.format} {b.direction}); the inner dimensions must agree")
     for path in PATHS:
         if path.supports(a, b, out_dtype):
-            for rec in _recorders:
+            for rec in getattr(_local, "recorders", ()):
                 rec.append(path.name)
             return path.run(a, b, out_dtype)
     raise AssertionError("the emulated path supports every pairing")

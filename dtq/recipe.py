@@ -12,8 +12,8 @@ from typing import Callable, ClassVar
 
 import torch
 
-from dtq.formats import (Float8BlockQuantizer, Float8Quantizer, HybridQuantizer, MXFP8Quantizer,
-                         NVFP4Quantizer, Quantizer)
+from dtq.formats import (Float8BlockQuantizer, Float8Quantizer, HybridQuantizer, IdentityQuantizer,
+                         MXFP8Quantizer, NVFP4Quantizer, Quantizer, codec_for)
 
 BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
 TENSOR_TYPES = ("input", "weight", "grad_output")
@@ -31,9 +31,10 @@ class QuantizerRole:
     name: str = ""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Recipe:
-    """Base of all recipes. ``backward_override``: None | "high_precision" | "dequantized"."""
+    """Base of all recipes (frozen, keyword-only settings). ``backward_override``: None |
+    "high_precision" | "dequantized"."""
 
     backward_override: str | None = None
     delayed: ClassVar[bool] = False  # modules keep amax histories for this recipe's slots
@@ -51,7 +52,14 @@ class Recipe:
         if role is None:
             return None
         q = self.qfactory(role)
-        if q is not None and not isinstance(q, Quantizer):
+        ok = isinstance(q, Quantizer)
+        if ok:
+            try:
+                for d in ("rowwise", "columnwise"):
+                    codec_for(q.for_direction(d))
+            except TypeError:
+                ok = False
+        if q is not None and not ok:
             raise TypeError(f"{type(self).__name__}: the quantizer factory returned {type(q).__name__} for {role}; "
                             "it must return a dtq quantizer (Float8Quantizer, Float8BlockQuantizer, MXFP8Quantizer, "
                             "NVFP4Quantizer, IdentityQuantizer, HybridQuantizer) or None for high precision")
@@ -60,30 +68,23 @@ class Recipe:
 
 @dataclasses.dataclass(frozen=True)
 class CustomRecipe(Recipe):
-    """``qfactory(role) -> quantizer | None`` is called once per quantized slot of every module."""
+    """``qfactory(role) -> quantizer | None`` is called once per quantized slot of every module.
+    (A module-level function or a frozen dataclass keeps the recipe picklable.)"""
 
-    qfactory_fn: Callable[[QuantizerRole], Quantizer | None] | None = None
-
-    def __init__(self, qfactory: Callable[[QuantizerRole], Quantizer | None], backward_override: str | None = None):
-        object.__setattr__(self, "qfactory_fn", qfactory)
-        object.__setattr__(self, "backward_override", backward_override)
-        self.__post_init__()
+    qfactory: Callable[[QuantizerRole], Quantizer | None]
 
     def __post_init__(self):
         super().__post_init__()
-        if not callable(self.qfactory_fn):
-            raise TypeError(f"CustomRecipe: qfactory must be callable (role -> quantizer), got {type(self.qfactory_fn).__name__}")
-
-    def qfactory(self, role):
-        return self.qfactory_fn(role)
+        if not callable(self.qfactory):
+            raise TypeError(f"CustomRecipe: qfactory must be callable (role -> quantizer), got {type(self.qfactory).__name__}")
 
 
-def _fp8_dtypes(fp8_format: str) -> tuple[torch.dtype, torch.dtype]:
+def _fp8_dtypes(fp8_format: str, owner: str = "recipe") -> tuple[torch.dtype, torch.dtype]:
     """(forward dtype, grad dtype) of a TransformerEngine-style format name."""
     table = {"E4M3": (torch.float8_e4m3fn, torch.float8_e4m3fn),
              "HYBRID": (torch.float8_e4m3fn, torch.float8_e5m2)}
     if fp8_format not in table:
-        raise ValueError(f"fp8_format={fp8_format!r}; use 'HYBRID' (E4M3 forward, E5M2 gradients) or 'E4M3'")
+        raise ValueError(f"{owner}: fp8_format={fp8_format!r}; use 'HYBRID' (E4M3 forward, E5M2 gradients) or 'E4M3'")
     return table[fp8_format]
 
 
@@ -96,7 +97,7 @@ class Float8CurrentScaling(Recipe):
 
     def __post_init__(self):
         super().__post_init__()
-        _fp8_dtypes(self.fp8_format)
+        _fp8_dtypes(self.fp8_format, type(self).__name__)
 
     def qfactory(self, role):
         fwd, bwd = _fp8_dtypes(self.fp8_format)
@@ -133,7 +134,7 @@ class Float8BlockScaling(Recipe):
 
     def __post_init__(self):
         super().__post_init__()
-        _fp8_dtypes(self.fp8_format)
+        _fp8_dtypes(self.fp8_format, type(self).__name__)
 
     def qfactory(self, role):
         fwd, bwd = _fp8_dtypes(self.fp8_format)
@@ -151,7 +152,7 @@ class MXFP8BlockScaling(Recipe):
 
     def __post_init__(self):
         super().__post_init__()
-        _fp8_dtypes(self.fp8_format)
+        _fp8_dtypes(self.fp8_format, type(self).__name__)
         MXFP8Quantizer(scale_rounding=self.scale_rounding)
 
     def qfactory(self, role):
@@ -192,17 +193,45 @@ class NVFP4BlockScaling(Recipe):
                               random_hadamard=bool(self.random_hadamard), hadamard_seed=self.hadamard_seed)
 
 
-def hybrid_recipe(rowwise: Recipe, columnwise: Recipe, grad: Recipe | None = None,
-                  backward_override: str | None = None) -> CustomRecipe:
-    """Inputs and weights quantized rowwise as ``rowwise`` and columnwise as ``columnwise``;
-    gradients as ``grad`` (default: ``columnwise``)."""
+@dataclasses.dataclass(frozen=True)
+class HybridRecipe(Recipe):
+    """Inputs and weights quantized rowwise as ``rowwise`` says and columnwise as ``columnwise``
+    says; gradients as ``grad`` (default: ``columnwise``). A slot one side keeps in high precision
+    gets an ``IdentityQuantizer`` for that direction."""
 
-    def factory(role: QuantizerRole) -> Quantizer | None:
+    rowwise: Recipe
+    columnwise: Recipe
+    grad: Recipe | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        for part in ("rowwise", "columnwise", "grad"):
+            r = getattr(self, part)
+            if r is None:
+                continue
+            if not isinstance(r, Recipe):
+                raise TypeError(f"HybridRecipe: {part}= must be a dtq recipe, got {type(r).__name__}")
+            if r.delayed:
+                raise ValueError(f"HybridRecipe: {part}={type(r).__name__} keeps amax histories per module, which a "
+                                 "hybrid does not; use Float8CurrentScaling for that part")
+            if r.backward_override is not None:
+                raise ValueError(f"HybridRecipe: {part}= has backward_override={r.backward_override!r}; set the "
+                                 "override on the HybridRecipe itself")
+        if self.backward_override is not None:
+            raise ValueError(f"HybridRecipe with backward_override={self.backward_override!r}: the override builds no "
+                             "columnwise payload and quantizes no gradient, so the columnwise and grad parts would be "
+                             "ignored; use the rowwise recipe with the override instead")
+
+    def qfactory(self, role: QuantizerRole) -> Quantizer | None:
         if role.tensor_type == "grad_output":
-            return (grad or columnwise).quantizer(role)
-        r, c = rowwise.quantizer(role), columnwise.quantizer(role)
-        if r is None or c is None:
-            return r or c
-        return HybridQuantizer(rowwise=r.for_direction("rowwise"), columnwise=c.for_direction("columnwise"))
+            return (self.grad or self.columnwise).quantizer(role)
+        r, c = self.rowwise.quantizer(role), self.columnwise.quantizer(role)
+        if r is None and c is None:
+            return None
+        return HybridQuantizer(rowwise=r.for_direction("rowwise") if r is not None else IdentityQuantizer(),
+                               columnwise=c.for_direction("columnwise") if c is not None else IdentityQuantizer())
 
-    return CustomRecipe(factory, backward_override=backward_override)
+
+def hybrid_recipe(rowwise: Recipe, columnwise: Recipe, grad: Recipe | None = None) -> HybridRecipe:
+    """Shorthand for :class:`HybridRecipe`."""
+    return HybridRecipe(rowwise=rowwise, columnwise=columnwise, grad=grad)

@@ -9,8 +9,10 @@ dtype; the payload tensors (codes, scales, amax) are the real data. Dispatch pol
 * ``_to_copy`` (``.to()``, ``.cpu()``, ``.cuda()``), ``_pin_memory``: move every payload, keep the
   subclass (a new floating dtype only changes the nominal dtype);
 * ``copy_``: raw payload copy when the quantizer configs are equal, requantization otherwise;
-* dim-0 ``split`` / ``slice`` / ``narrow`` / ``chunk`` and ``view`` / ``reshape`` that keep the last
-  dim: payload views, when dim-0 boundaries fall on every present direction's block rows;
+* dim-0 ``split`` / ``slice`` / ``narrow`` / ``chunk``: payload views, when dim-0 boundaries fall on
+  every present direction's block rows (and the view's last dim is the payloads' K);
+* ``view`` / ``reshape`` / contiguous ``as_strided`` to any shape of the same size: metadata only,
+  the payloads keep describing the same [M, K] matrix (``shape2d``);
 * everything else dequantizes its quantized arguments and runs in high precision; an in-place op
   on a QuantizedTensor requantizes the result into its payloads.
 """
@@ -28,6 +30,7 @@ from dtq.formats.base import (COLUMNWISE, DIRECTIONS, ROWWISE, Payload, Quantize
                               codec_for, quantize_payloads, shape_2d)
 
 aten = torch.ops.aten
+_FLAT = "_payload__"  # attribute-name prefix under which __tensor_flatten__ exposes payload tensors
 _HANDLERS: dict = {}
 _warned: set = set()
 
@@ -60,7 +63,7 @@ class QuantizedTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, shape, dtype: torch.dtype, quantizer: Quantizer, payloads: dict[str, Payload],
-                requires_grad: bool = False):
+                requires_grad: bool = False, shape2d: tuple[int, int] | None = None):
         if not payloads:
             raise ValueError("QuantizedTensor needs at least one direction's payload")
         for d in payloads:
@@ -70,12 +73,20 @@ class QuantizedTensor(torch.Tensor):
                                                    requires_grad=requires_grad)
         self._quantizer = quantizer
         self._payloads = {d: dict(payloads[d]) for d in DIRECTIONS if d in payloads}
+        self._shape2d = tuple(shape2d) if shape2d is not None else shape_2d(shape)
+        if math.prod(self._shape2d) != math.prod(shape):
+            raise ValueError(f"QuantizedTensor: payload view {list(self._shape2d)} does not match shape {list(shape)}")
         return self
 
     # -- introspection -------------------------------------------------------------------------
     @property
     def quantizer(self) -> Quantizer:
         return self._quantizer
+
+    @property
+    def shape2d(self) -> tuple[int, int]:
+        """The [M, K] matrix the payloads describe (a view may give the tensor another shape)."""
+        return self._shape2d
 
     @property
     def directions(self) -> tuple[str, ...]:
@@ -107,7 +118,7 @@ class QuantizedTensor(torch.Tensor):
         payload = self.payload(direction)
         sub = self._quantizer.for_direction(direction)
         with torch.no_grad():
-            out = codec_for(sub).dequantize(sub, payload, direction, shape_2d(self.shape))
+            out = codec_for(sub).dequantize(sub, payload, direction, self._shape2d)
         return out.reshape(self.shape).to(dtype or self.dtype)
 
     def update_usage(self, rowwise: bool | None = None, columnwise: bool | None = None,
@@ -139,7 +150,8 @@ class QuantizedTensor(torch.Tensor):
         missing = [d for d in directions if not self.has(d)]
         if missing:
             raise KeyError(f"this QuantizedTensor has no {missing} payload (it holds {list(self._payloads)})")
-        return QuantizedTensor(self.shape, self.dtype, self._quantizer, {d: self._payloads[d] for d in directions})
+        return QuantizedTensor(self.shape, self.dtype, self._quantizer, {d: self._payloads[d] for d in directions},
+                               shape2d=self._shape2d)
 
     def _build(self, d: str, source: torch.Tensor | None, amax) -> Payload:
         sub = self._quantizer.for_direction(d)
@@ -172,6 +184,45 @@ class QuantizedTensor(torch.Tensor):
             for k, t in payload.items():
                 self._payloads[d][k].copy_(t)
 
+    def __reduce_ex__(self, protocol):
+        # Plain pickle (and torch.save) rebuild from the payloads; a wrapper has no storage of its
+        # own. 1-byte float payloads travel as uint8 (torch cannot plain-pickle float8 tensors).
+        payloads = {d: {k: ((v.view(torch.uint8), v.dtype) if v.element_size() == 1 and v.dtype.is_floating_point
+                            else (v, None)) for k, v in p.items()} for d, p in self._payloads.items()}
+        return (_rebuild_quantized, (tuple(self.shape), self.dtype, self._quantizer, payloads,
+                                     self.requires_grad, self._shape2d))
+
+    # -- traceable-wrapper-subclass protocol (nn.Module.to() and friends swap whole tensors) -------
+    def __tensor_flatten__(self):
+        names = [f"{_FLAT}{d}__{k}" for d, p in self._payloads.items() for k in p]
+        return names, (self._quantizer, self.dtype, self._shape2d)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        quantizer, dtype, shape2d = ctx
+        payloads: dict = {}
+        for name, t in inner.items():
+            d, k = name[len(_FLAT):].split("__", 1)
+            payloads.setdefault(d, {})[k] = t
+        return QuantizedTensor(outer_size, dtype, quantizer, payloads, shape2d=shape2d)
+
+    def __getattr__(self, name: str):
+        if name.startswith(_FLAT):
+            d, k = name[len(_FLAT):].split("__", 1)
+            return self._payloads[d][k]
+        raise AttributeError(f"'QuantizedTensor' object has no attribute {name!r}")
+
+    # -- FSDP2 all-gather extension (quantized parameters) -----------------------------------------
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        from dtq.parallel.fsdp import quantized_pre_all_gather
+
+        return quantized_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        from dtq.parallel.fsdp import post_all_gather
+
+        return post_all_gather(all_gather_outputs, metadata, param_dtype, out)
+
     # -- dispatch ------------------------------------------------------------------------------
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -184,8 +235,12 @@ class QuantizedTensor(torch.Tensor):
         return _fallback(func, args, kwargs)
 
 
-def _like(t: QuantizedTensor, payloads: dict[str, Payload], shape=None, dtype=None, quantizer=None) -> QuantizedTensor:
-    return QuantizedTensor(t.shape if shape is None else shape, dtype or t.dtype, quantizer or t._quantizer, payloads)
+def _like(t: QuantizedTensor, payloads: dict[str, Payload], shape=None, dtype=None, quantizer=None,
+          shape2d=None) -> QuantizedTensor:
+    """A QuantizedTensor like ``t``; a new ``shape`` (without ``shape2d``) is a new [M, K] matrix."""
+    if shape is None:
+        shape, shape2d = t.shape, t._shape2d
+    return QuantizedTensor(shape, dtype or t.dtype, quantizer or t._quantizer, payloads, shape2d=shape2d)
 
 
 def _map_payloads(t: QuantizedTensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Payload]:
@@ -208,9 +263,10 @@ def _fallback(func, args, kwargs):
     for i, arg in enumerate(schema.arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
-        hp = uargs[i] if i < len(uargs) else ukwargs.get(arg.name)
-        if isinstance(hp, torch.Tensor) and id(hp) in plain:
-            plain[id(hp)]._assign(hp)
+        written = uargs[i] if i < len(uargs) else ukwargs.get(arg.name)
+        for hp in (written if isinstance(written, (list, tuple)) else [written]):  # foreach ops write lists
+            if isinstance(hp, torch.Tensor) and id(hp) in plain:
+                plain[id(hp)]._assign(hp)
     return tree_map(lambda x: plain.get(id(x), x) if isinstance(x, torch.Tensor) else x, out)
 
 
@@ -293,10 +349,20 @@ def _copy_(func, args, kwargs):
     if not isinstance(dst, QuantizedTensor):
         return dst.copy_(src.dequantize(dst.dtype), non_blocking=nb)
     if (isinstance(src, QuantizedTensor) and src._quantizer == dst._quantizer
-            and tuple(src.shape) == tuple(dst.shape) and all(src.has(d) for d in dst.directions)):
+            and tuple(src.shape) == tuple(dst.shape)):
+        # Same config: copy codes, never requantize them. A direction the source lacks comes
+        # from an identical one it has, or the copy is refused (its bits cannot be recovered).
         for d in dst.directions:
+            src_d = d if src.has(d) else next(
+                (h for h in src.directions if src._quantizer.for_direction(h) == src._quantizer.for_direction(d)
+                 and codec_for(src._quantizer.for_direction(d)).identical_directions(src._quantizer.for_direction(d))),
+                None)
+            if src_d is None:
+                raise ValueError(f"copy_: the destination holds a {d} payload but the source ({list(src.directions)}) "
+                                 f"cannot provide its exact bits; drop it first (update_usage({d}=False)) or copy from "
+                                 f"a tensor quantized with {d}=True")
             for k, v in dst._payloads[d].items():
-                v.copy_(src._payloads[d][k], non_blocking=nb)
+                v.copy_(src._payloads[src_d][k], non_blocking=nb)
         return dst
     hp = src.dequantize(dst.dtype) if isinstance(src, QuantizedTensor) else src
     dst._assign(hp.to(dst.device))
@@ -306,13 +372,17 @@ def _copy_(func, args, kwargs):
 # -- dim-0 views -------------------------------------------------------------------------------
 
 
-def _rows_per_index(t: QuantizedTensor) -> int:
+def _rows_per_index(t: QuantizedTensor) -> int | None:
+    """Rows of the [M, K] payload matrix per dim-0 index, or None if the current view does not
+    keep K as its last dim (then dim-0 slices are not row ranges)."""
+    if t.dim() < 2 or t.shape[-1] != t._shape2d[1]:
+        return None
     return math.prod(t.shape[1:-1])
 
 
 def _slice_rows(t: QuantizedTensor, start: int, end: int, shape) -> QuantizedTensor | None:
     """Payload views of logical rows [start, end) of the [M, K] view, or None if misaligned."""
-    m = shape_2d(t.shape)[0]
+    m = t._shape2d[0]
     payloads = {}
     for d, p in t._payloads.items():
         sub = t._quantizer.for_direction(d)
@@ -336,14 +406,14 @@ def _slice(func, args, kwargs):
     start = args[2] if len(args) > 2 else kwargs.get("start")
     end = args[3] if len(args) > 3 else kwargs.get("end")
     step = args[4] if len(args) > 4 else kwargs.get("step", 1)
-    if t.dim() < 2 or dim not in (0, -t.dim()) or step != 1:
+    r = _rows_per_index(t)
+    if r is None or dim not in (0, -t.dim()) or step != 1:
         return NotImplemented
     n = t.shape[0]
     start = 0 if start is None else (start + n if start < 0 else start)
     end = n if end is None else (end + n if end < 0 else end)
     start, end = max(0, min(start, n)), max(0, min(end, n))
     end = max(start, end)
-    r = _rows_per_index(t)
     out = _slice_rows(t, start * r, end * r, (end - start, *t.shape[1:]))
     return NotImplemented if out is None else out
 
@@ -352,7 +422,8 @@ def _slice(func, args, kwargs):
 def _split(func, args, kwargs):
     t = args[0]
     dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-    if t.dim() < 2 or dim not in (0, -t.dim()):
+    r = _rows_per_index(t)
+    if r is None or dim not in (0, -t.dim()):
         return NotImplemented
     n = t.shape[0]
     if func is aten.split.Tensor:
@@ -360,7 +431,6 @@ def _split(func, args, kwargs):
         sizes = [min(step, n - i) for i in range(0, n, step)] if n else [0]
     else:
         sizes = list(args[1])
-    r = _rows_per_index(t)
     outs, start = [], 0
     for s in sizes:
         piece = _slice_rows(t, start * r, (start + s) * r, (s, *t.shape[1:]))
@@ -373,18 +443,38 @@ def _split(func, args, kwargs):
 
 @_implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
 def _view(func, args, kwargs):
+    # Any reshape is metadata: the payloads keep describing the same [M, K] matrix (FSDP2, for
+    # one, keeps a flat view(-1) of every sharded parameter).
     t = args[0]
     size = list(args[1])
     if -1 in size:
         known = math.prod(s for s in size if s != -1)
         size[size.index(-1)] = t.numel() // known if known else 0
-    if math.prod(size) != t.numel() or not size or size[-1] != t.shape[-1]:
+    if math.prod(size) != t.numel():
         return NotImplemented
-    return _like(t, t._payloads, shape=tuple(size))
+    return _like(t, t._payloads, shape=tuple(size), shape2d=t._shape2d)
+
+
+@_implements([aten.as_strided.default])
+def _as_strided(func, args, kwargs):
+    t, size, stride = args[0], list(args[1]), list(args[2])
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)
+    contiguous = [math.prod(size[i + 1:]) for i in range(len(size))]
+    if math.prod(size) != t.numel() or (offset or 0) != 0 or any(
+            st != c for st, c, n in zip(stride, contiguous, size) if n > 1):
+        return NotImplemented
+    return _like(t, t._payloads, shape=tuple(size), shape2d=t._shape2d)
+
+
+def _rebuild_quantized(shape, dtype, quantizer, payloads, requires_grad, shape2d) -> QuantizedTensor:
+    payloads = {d: {k: (v if view is None else v.view(view)) for k, (v, view) in p.items()} for d, p in payloads.items()}
+    return QuantizedTensor(shape, dtype, quantizer, payloads, requires_grad=requires_grad, shape2d=shape2d)
 
 
 def quantized_safe_globals() -> list:
     """Classes that ``torch.load(weights_only=True)`` must accept to rebuild QuantizedTensors."""
     from dtq.formats import HybridQuantizer, registered_quantizers
 
-    return [QuantizedTensor, HybridQuantizer, *registered_quantizers()]
+    from dtq.parallel.fsdp import HighPrecisionWeight
+
+    return [QuantizedTensor, _rebuild_quantized, HybridQuantizer, HighPrecisionWeight, *registered_quantizers()]

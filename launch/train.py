@@ -19,7 +19,7 @@ import torch
 import dtq
 
 RECIPES = {
-    "bf16": lambda: None,
+    "bf16": lambda: None,  # no quantization: the high-precision baseline (parameters in --dtype)
     "fp8": dtq.Float8CurrentScaling,
     "fp8-delayed": dtq.DelayedScaling,
     "fp8-block": dtq.Float8BlockScaling,
@@ -47,12 +47,14 @@ def main(argv=None) -> float:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter and activation dtype")
     args = p.parse_args(argv)
 
     torch.manual_seed(args.seed)
     teacher = torch.nn.Sequential(torch.nn.Linear(args.width, args.width), torch.nn.Tanh(),
                                   torch.nn.Linear(args.width, args.width))
-    model = build(args.width)
+    dtype = getattr(torch, args.dtype)
+    model = build(args.width).to(dtype)
     recipe = RECIPES[args.recipe]()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     print(f"dtq {dtq.__version__}: training a {sum(p.numel() for p in model.parameters())}-parameter MLP, "
@@ -61,7 +63,8 @@ def main(argv=None) -> float:
     for step in range(1, args.steps + 1):
         x = torch.randn(args.batch, args.width)
         with torch.no_grad():
-            target = teacher(x)
+            target = teacher(x).to(dtype)
+        x = x.to(dtype)
         with dtq.autocast(recipe, enabled=recipe is not None):
             out = model(x)
         loss = torch.nn.functional.mse_loss(out, target)

@@ -136,7 +136,7 @@ def test_same_format_nvfp4_hybrid_with_stochastic_rounding_is_bitwise_plain():
     a = _run(module, call, x, plain, grad)
     torch.manual_seed(5)
     b = _run(module, call, x, dtq.CustomRecipe(factory), grad)
-    assert torch.equal(a[1], b[1]) and all(torch.equal(a[2][n], b[2][n]) for n in a[2])
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and all(torch.equal(a[2][n], b[2][n]) for n in a[2])
 
 
 def test_factory_called_with_documented_roles():
@@ -174,7 +174,9 @@ def test_convert_names_roles_by_fqn_and_keeps_parameters():
     dtq.convert(model, module_filter_fn=lambda m, fqn: fqn != "2.1")
     assert isinstance(model[0], dtq.nn.Linear) and isinstance(model[2][0], dtq.nn.Linear)
     assert type(model[2][1]) is torch.nn.Linear
-    assert model[2][0].weight is w and model[2][0].name == "2.0"
+    assert torch.equal(model[2][0].weight, w) and model[2][0].name == "2.0"
+    # the converted weight is a new high-precision parameter whose FSDP2 gathers are quantized
+    assert isinstance(model[2][0].weight, torch.nn.Parameter) and hasattr(model[2][0].weight, "fsdp_pre_all_gather")
     recipe = dtq.CustomRecipe(lambda role: seen.append(role.name) or dtq.Float8Quantizer())
     with dtq.autocast(recipe):
         model(torch.randn(TOKENS, K)).sum().backward()
@@ -193,11 +195,14 @@ def _spy_directions(monkeypatch):
     return made
 
 
+@pytest.mark.filterwarnings("ignore:dtq. backward_override")
 @pytest.mark.parametrize("module_name", ["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear"])
 @pytest.mark.parametrize("recipe", [dtq.MXFP8BlockScaling, dtq.NVFP4BlockScaling, _hybrid_mx_nv])
 def test_high_precision_override_matches_unquantized_bitwise(module_name, recipe, monkeypatch):
     r = recipe()
-    r = dtq.CustomRecipe(r.qfactory, backward_override="high_precision") if isinstance(r, dtq.CustomRecipe) \
+    # A HybridRecipe refuses an override (its columnwise part would be ignored); the same
+    # hybrid quantizers through a CustomRecipe are accepted, with a warning.
+    r = dtq.CustomRecipe(r.qfactory, backward_override="high_precision") if isinstance(r, dtq.HybridRecipe) \
         else type(r)(backward_override="high_precision")
     module, call = _modules()[module_name]
     rows = 128 if module_name == "GroupedLinear" else TOKENS
@@ -210,7 +215,7 @@ def test_high_precision_override_matches_unquantized_bitwise(module_name, recipe
     made = _spy_directions(monkeypatch)
     y_q, dx_q, g_q = _run(module, call, x, r, ones)
     assert "columnwise" not in made and made
-    if module_name in ("Linear", "GroupedLinear"):
+    if module_name in ("Linear", "GroupedLinear", "LayerNormLinear"):
         y_h, dx_h, g_h = _run(module, call, x, None, ones)
         assert torch.equal(dx_q, dx_h)
         assert all(torch.equal(g_q[n], g_h[n]) for n in g_q)
@@ -289,6 +294,14 @@ def test_errors_are_actionable():
         dtq.DelayedScaling(backward_override="high_precision")
     with pytest.raises(ValueError, match="stochastic_rounding=True has no effect with backward_override"):
         dtq.NVFP4BlockScaling(stochastic_rounding=True, backward_override="dequantized")
+    with pytest.raises(ValueError, match="columnwise and grad parts would be ignored"):
+        dtq.HybridRecipe(rowwise=dtq.MXFP8BlockScaling(), columnwise=dtq.NVFP4BlockScaling(),
+                         backward_override="dequantized")
+    with pytest.raises(ValueError, match="keeps amax histories"):
+        dtq.hybrid_recipe(dtq.DelayedScaling(), dtq.NVFP4BlockScaling())
+    with pytest.raises(TypeError, match=r"returned Quantizer for QuantizerRole"):
+        with dtq.autocast(dtq.CustomRecipe(lambda role: dtq.Quantizer())):
+            lin(torch.randn(TOKENS, K))
     with pytest.raises(ValueError, match="backward_override='bf16'"):
         dtq.MXFP8BlockScaling(backward_override="bf16")
     with pytest.raises(ValueError, match="'proj'.*last dim 48.*expects 64"):
@@ -370,3 +383,156 @@ def test_high_precision_override_layernorm_modules_bitwise(activation, normaliza
     assert torch.equal(dx, xr.grad)
     for n, p in params.items():
         assert torch.equal(grads[n], p.grad), n
+
+
+# -- review follow-ups: grad mode, recompute, state, pickling, convert -------------------------
+
+
+def test_quantized_weight_gets_gradient_outside_autocast():
+    m = dtq.convert(torch.nn.Linear(K, N), recipe=dtq.MXFP8BlockScaling(), quantized_params=True)
+    x = torch.randn(8, K)
+    m(x).sum().backward()
+    w_hp = m.weight.dequantize()
+    assert m.weight.grad is not None and torch.equal(m.weight.grad, torch.ones(8, N).t().mm(x))
+    assert torch.equal(m(x), torch.nn.functional.linear(x, w_hp, m.bias))
+
+
+def test_inference_builds_no_columnwise_and_takes_any_token_count(monkeypatch):
+    made = _spy_directions(monkeypatch)
+    lin = dtq.nn.Linear(K, N)
+    with torch.no_grad(), dtq.autocast(dtq.NVFP4BlockScaling()):
+        y = lin(torch.randn(3, 5, K))  # 15 tokens: fine rowwise, impossible columnwise (blocks of 16)
+    assert y.shape == (3, 5, N) and made and "columnwise" not in made
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("recipe", [dtq.NVFP4BlockScaling, dtq.DelayedScaling, _hybrid_mx_nv])
+def test_checkpoint_recompute_is_bitwise(recipe, reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    def run(use_ckpt):
+        torch.manual_seed(11)
+        block = torch.nn.Sequential(dtq.nn.LayerNormMLP(K, N, activation="swiglu", name="mlp"),
+                                    dtq.nn.Linear(K, K, name="out"))
+        x = torch.randn(TOKENS, K, requires_grad=True)
+        r = recipe()
+        for _ in range(2):  # two steps: delayed scaling then scales from history
+            with dtq.autocast(r):
+                y = checkpoint(block, x, use_reentrant=reentrant) if use_ckpt else block(x)
+            y.square().sum().backward()
+        hist = {n: b.clone() for n, b in block.named_buffers()}
+        return y.detach(), x.grad.clone(), {n: p.grad.clone() for n, p in block.named_parameters()}, hist
+
+    y0, dx0, g0, h0 = run(False)
+    y1, dx1, g1, h1 = run(True)
+    assert torch.equal(y0, y1) and torch.equal(dx0, dx1)
+    assert all(torch.equal(g0[n], g1[n]) for n in g0)
+    assert h0.keys() == h1.keys() and all(torch.equal(h0[n], h1[n]) for n in h0)  # history moved once per step
+
+
+def test_delayed_scaling_scale_comes_from_history_with_margin(monkeypatch):
+    seen = []
+    real = fbase.quantize_payloads
+
+    def spy(q, x, directions, amax=None, seed=None):
+        seen.append(amax)
+        return real(q, x, directions, amax=amax, seed=seed)
+
+    lin = dtq.nn.Linear(K, N, name="l")
+    r = dtq.DelayedScaling(amax_history_len=4, margin=1)
+    x1, x2 = torch.randn(TOKENS, K), torch.randn(TOKENS, K) * 100
+    with dtq.autocast(r):
+        lin(x1)
+        monkeypatch.setattr(fbase, "quantize_payloads", spy)
+        lin(x2)
+    # step 2, input slot: amax = max(history) * 2**margin, and history[0] is step 1's amax
+    assert torch.equal(seen[0], x1.abs().amax() * 2)
+    assert torch.equal(lin.amax_history_0_input[:2], torch.stack([x2.abs().amax(), x1.abs().amax()]))
+
+
+def test_delayed_scaling_state_survives_moves_and_checkpoints():
+    lin = dtq.nn.Linear(K, N, name="l")
+    with dtq.autocast(dtq.DelayedScaling(amax_history_len=4)):
+        lin(torch.randn(TOKENS, K)).sum().backward()
+        lin.double()
+        lin(torch.randn(TOKENS, K, dtype=torch.float64) * 7).sum().backward()
+    assert lin.amax_history_0_input.dtype == torch.float32 or lin.amax_history_0_input.dtype == torch.float64
+    assert (lin.amax_history_0_input[:2] > 0).all()  # the registered buffer moved, not an orphan
+    fresh = dtq.nn.Linear(K, N, name="l", params_dtype=torch.float64)
+    fresh.load_state_dict(lin.state_dict())  # strict: histories are accepted before first use
+    assert torch.equal(fresh.amax_history_0_input, lin.amax_history_0_input)
+    g = dtq.nn.GroupedLinear(2, K, N)
+    with dtq.autocast(dtq.DelayedScaling()):
+        g(torch.randn(32, K), [32, 0]).sum().backward()  # an empty split is fine
+
+
+def test_models_and_recipes_pickle(tmp_path):
+    import pickle
+    model = torch.nn.Sequential(dtq.nn.Linear(K, N, name="a"), dtq.nn.Linear(N, K, name="b"))
+    recipe = dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling())
+    with dtq.autocast(recipe):
+        model(torch.randn(TOKENS, K)).sum().backward()
+    torch.save(model, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert torch.equal(loaded[0].weight, model[0].weight)
+    assert pickle.loads(pickle.dumps(recipe)) == recipe == dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling())
+    qm = dtq.convert(torch.nn.Linear(K, N), recipe=dtq.NVFP4BlockScaling(), quantized_params=True)
+    back = pickle.loads(pickle.dumps(qm))
+    assert torch.equal(back.weight.dequantize(), qm.weight.dequantize())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantized_override_bitwise_grouped_3d_bf16(dtype, monkeypatch):
+    r = dtq.NVFP4BlockScaling(backward_override="dequantized")
+    torch.manual_seed(12)
+    g = dtq.nn.GroupedLinear(2, K, N, params_dtype=dtype, name="g")
+    x = torch.randn(2, 32, K, dtype=dtype)
+    grad = torch.randn(2, 32, N, dtype=dtype)
+    _, dx, grads = _run(g, lambda m, x: m(x, [32, 32]), x, r, grad)
+    x2, g2 = x.reshape(64, K), grad.reshape(64, N)
+    for i, rows in enumerate((slice(0, 32), slice(32, 64))):
+        role = lambda t: dtq.QuantizerRole("grouped_linear", t, f"g.gemm{i}")  # noqa: E731
+        xd = r.quantizer(role("input")).quantize(x2[rows], columnwise=False).dequantize(torch.float32)
+        wd = r.quantizer(role("weight")).quantize(getattr(g, f"weight{i}").detach(), columnwise=False).dequantize(torch.float32)
+        gi = g2[rows].float()
+        assert torch.equal(dx.reshape(64, K)[rows], gi.mm(wd).to(dtype))
+        assert torch.equal(grads[f"weight{i}"], xd.t().mm(gi).t().to(dtype))
+
+
+def test_convert_duplicates_ties_hooks_and_recipe_misuse():
+    shared = torch.nn.Linear(K, K)
+    model = torch.nn.Module()
+    model.a, model.b = shared, shared
+    calls = []
+    shared.register_forward_hook(lambda m, i, o: calls.append(1))
+    shared.eval()
+    dtq.convert(model)
+    assert model.a is model.b and isinstance(model.a, dtq.nn.Linear) and not model.a.training
+    model.a(torch.randn(4, K))
+    assert calls == [1]
+    tied = torch.nn.Module()
+    tied.x, tied.y = torch.nn.Linear(K, K), torch.nn.Linear(K, K)
+    tied.y.weight = tied.x.weight
+    dtq.convert(tied, recipe=dtq.MXFP8BlockScaling(), quantized_params=True)
+    assert tied.x.weight is tied.y.weight and isinstance(tied.x.weight, dtq.QuantizedTensor)
+    with pytest.raises(ValueError, match="choose the recipe at run time with dtq.autocast"):
+        dtq.convert(torch.nn.Linear(K, N), recipe=dtq.MXFP8BlockScaling())
+
+
+def test_meta_init_then_reset_parameters():
+    meta = dtq.nn.LayerNormMLP(K, N, device="meta")
+    meta.to_empty(device="cpu")
+    torch.manual_seed(0)
+    meta.reset_parameters()
+    w = meta.fc1_weight.__dtq_unwrap__()
+    assert w.abs().max() > 0 and w.abs().max() <= 1 / K ** 0.5 + 1e-6  # kaiming_uniform(a=sqrt(5)) bound
+
+
+def test_foreach_inplace_updates_quantized_params():
+    q = dtq.MXFP8Quantizer()
+    ts = [q.quantize(torch.randn(64, 64)) for _ in range(2)]
+    before = [t.dequantize() for t in ts]
+    torch._foreach_add_(ts, [torch.ones(64, 64), torch.ones(64, 64)])
+    for t, b in zip(ts, before):
+        assert torch.equal(t.payload("rowwise")["data"].view(torch.uint8),
+                           q.quantize(b + 1).payload("rowwise")["data"].view(torch.uint8))

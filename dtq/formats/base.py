@@ -93,13 +93,26 @@ class Codec:
         raise NotImplementedError
 
     @classmethod
+    def identical_directions(cls, q) -> bool:
+        """Whether both directions' payloads are bitwise the same (one scale per tensor, square
+        tiles, passthrough): then either direction is the other, and only one needs moving."""
+        return False
+
+    @classmethod
     def derive(cls, q, payload: Payload, src: str, dst: str) -> Payload | None:
         """The ``dst`` payload computed exactly from the ``src`` one, or None if that loses bits."""
-        return None
+        return {k: v.clone() for k, v in payload.items()} if cls.identical_directions(q) else None
+
+    @classmethod
+    def amax_space(cls, q, direction: str) -> str:
+        """What the direction's tensor-wide amax is taken over: "x", or a transform of x."""
+        return "x"
 
     @classmethod
     def reusable_amax(cls, q, payload: Payload, src: str, dst: str) -> torch.Tensor | None:
         """The tensor-wide amax held in a ``src`` payload if ``dst`` needs that same value, else None."""
+        if "amax" in payload and cls.amax_space(q, src) == cls.amax_space(q, dst):
+            return payload["amax"]
         return None
 
     @classmethod
@@ -164,6 +177,7 @@ class Quantizer:
         for d in _wanted(rowwise, columnwise):
             sub = self.for_direction(d)
             codec = codec_for(sub)
+            codec.check_shape(sub, tuple(x2.shape), d)
             if codec.needs_amax(sub, d):
                 out[d] = codec.local_amax(sub, x2, d)
         return out
@@ -200,7 +214,10 @@ def _as_2d(x: torch.Tensor, q: Quantizer) -> torch.Tensor:
                         "or use copy_() to requantize into an existing one")
     if x.dim() == 0:
         raise ValueError(f"{type(q).__name__} cannot quantize a 0-dim tensor; give it at least one dimension")
-    return x.detach().reshape(-1, x.shape[-1]) if x.dim() != 2 else x.detach()
+    if hasattr(x, "__dtq_unwrap__"):
+        x = x.__dtq_unwrap__()  # a wrapper around high-precision data (dtq.parallel.HighPrecisionWeight)
+    x = x.detach()
+    return x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
 
 
 def shape_2d(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
@@ -228,6 +245,12 @@ def quantize_payloads(q: Quantizer, x: torch.Tensor, directions: tuple[str, ...]
         elif not isinstance(seed, torch.Tensor):
             seed = torch.tensor(int(seed), dtype=torch.int64)
     xc = x2.contiguous()
+    if isinstance(amax, torch.Tensor):
+        spaces = {codec_for(s).amax_space(s, d) for d, s in subs.items() if codec_for(s).needs_amax(s, d)}
+        if len(spaces) > 1:
+            raise ValueError(f"{type(q).__name__}.quantize: one amax tensor was given, but its directions take their "
+                             f"amax over different values ({sorted(spaces)}, e.g. the random-Hadamard columnwise "
+                             "direction needs max|T x|); pass amax={direction: tensor}, as local_amax() returns")
     out = {}
     for d, sub in subs.items():
         codec = codec_for(sub)

@@ -68,7 +68,5 @@ class Float8BlockCodec(Codec):
                 "scale_inv": torch.ones(nblk, dtype=torch.float32, device=device)}
 
     @classmethod
-    def derive(cls, q, payload, src, dst):
-        if q.block[0] == q.block[1]:
-            return {k: v.clone() for k, v in payload.items()}
-        return None
+    def identical_directions(cls, q):
+        return q.block[0] == q.block[1]

@@ -49,8 +49,8 @@ class IdentityCodec(Codec):
         return {"data": torch.zeros(shape, dtype=q.dtype or dtype, device=device)}
 
     @classmethod
-    def derive(cls, q, payload, src, dst):
-        return {"data": payload["data"].clone()}
+    def identical_directions(cls, q):
+        return True
 
     @classmethod
     def lossless(cls, q, dtype):

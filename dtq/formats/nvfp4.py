@@ -144,12 +144,9 @@ class NVFP4Codec(Codec):
                 "amax": torch.zeros((), dtype=torch.float32, device=device)}
 
     @classmethod
-    def reusable_amax(cls, q, payload, src, dst):
-        # The Hadamard-transformed direction has the amax of T x, not of x.
-        return payload["amax"] if q.hadamard(src) == q.hadamard(dst) else None
+    def amax_space(cls, q, direction):
+        return "hadamard(x)" if q.hadamard(direction) else "x"
 
     @classmethod
-    def derive(cls, q, payload, src, dst):
-        if q.block == (16, 16):
-            return {k: v.clone() for k, v in payload.items()}
-        return None
+    def identical_directions(cls, q):
+        return q.block == (16, 16)

@@ -4,98 +4,147 @@ recipe asks for, with the backward override applied (DESIGN section 4)."""
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from dtq.formats import COLUMNWISE, ROWWISE, Quantizer
 from dtq.gemm import Operand, mm
+from dtq.recipe import QuantizerRole
 from dtq.tensor import QuantizedTensor
 
 
 @dataclasses.dataclass
 class Slot:
-    """One quantized tensor of one GEMM: its quantizer (None: high precision) and, under delayed
-    scaling, the module's amax history buffer for it."""
+    """One quantized tensor of one GEMM: its role and quantizer (None: high precision) and, under
+    delayed scaling, the name of the module buffer holding its amax history."""
 
+    role: QuantizerRole | None
     quantizer: Quantizer | None
-    history: torch.Tensor | None = None
+    owner: weakref.ReferenceType | None = None
+    history: str | None = None
     margin: int = 0
     most_recent: bool = False
+    last_amax: torch.Tensor | None = None
 
-    def quantize(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> torch.Tensor:
+    @torch.no_grad()
+    def _delayed_amax(self, x: torch.Tensor, replay: bool) -> torch.Tensor:
+        if replay and self.last_amax is not None:
+            return self.last_amax  # a recompute sees the forward's scale; the history moves once
+        hist = getattr(self.owner(), self.history)  # looked up each time: .to()/.cuda() replace buffers
+        cur = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+        past = hist[0] if self.most_recent else hist.amax()
+        amax = torch.where(past > 0, past, cur.to(hist.device)) * (2.0 ** self.margin)  # first step: current
+        hist.copy_(torch.roll(hist, 1))
+        hist[0] = cur
+        self.last_amax = amax
+        return amax
+
+    def quantize(self, x: torch.Tensor, rowwise: bool, columnwise: bool, replay: bool = False) -> torch.Tensor:
         if self.quantizer is None or not (rowwise or columnwise):
             return x
-        amax = None
-        if self.history is not None:
-            cur = x.detach().abs().amax().float()
-            past = self.history[0] if self.most_recent else self.history.amax()
-            amax = torch.where(past > 0, past, cur) * (2.0 ** self.margin)  # first step: current amax
-            self.history.copy_(torch.roll(self.history, 1))
-            self.history[0] = cur
-        return self.quantizer.quantize(x, rowwise=rowwise, columnwise=columnwise, amax=amax)
+        amax = self._delayed_amax(x, replay) if self.history is not None else None
+        try:
+            return self.quantizer.quantize(x, rowwise=rowwise, columnwise=columnwise, amax=amax)
+        except ValueError as e:
+            raise ValueError(f"{self.role}: {e}") from None
 
 
 def _keep(t: torch.Tensor, direction: str) -> torch.Tensor:
-    return t.with_directions(direction) if isinstance(t, QuantizedTensor) else t
+    return t.with_directions(direction) if isinstance(t, QuantizedTensor) and t.has(direction) else t
+
+
+def _hp(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(t, QuantizedTensor):
+        return t.dequantize(dtype)
+    return t.__dtq_unwrap__().to(dtype) if hasattr(t, "__dtq_unwrap__") else t.to(dtype)
 
 
 class LinearFn(torch.autograd.Function):
     """``y = x @ W.T + b`` with x quantized by ``sx``, W by ``sw`` (unless it is already a
-    QuantizedTensor parameter) and dy by ``sg``."""
+    QuantizedTensor parameter) and dy by ``sg``. ``need_dgrad`` / ``need_wgrad`` say which
+    gradients backward will compute (grad mode included), so no payload is built in vain."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, sx: Slot, sw: Slot, sg: Slot, override: str | None):
-        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    def forward(ctx, x, weight, bias, sx: Slot, sw: Slot, sg: Slot, override: str | None,
+                need_dgrad: bool, need_wgrad: bool, replay: bool, name: str):
         x2 = x.reshape(-1, x.shape[-1])
         bwd_cols = override is None
-        xq = sx.quantize(x2, rowwise=True, columnwise=bwd_cols and need_wgrad)
+        xq = sx.quantize(x2, rowwise=True, columnwise=bwd_cols and need_wgrad, replay=replay)
         if isinstance(weight, QuantizedTensor):
             wq = weight
         else:
-            wq = sw.quantize(weight, rowwise=True, columnwise=bwd_cols and need_dgrad)
+            wq = sw.quantize(weight, rowwise=True, columnwise=bwd_cols and need_dgrad, replay=replay)
         y = mm(Operand(xq, ROWWISE), Operand(wq, ROWWISE, transpose=True), torch.float32)
         if bias is not None:
             y = y + bias.to(torch.float32)
         if override is None:
-            saved_x = _keep(xq, COLUMNWISE) if need_wgrad else None
-            saved_w = _keep(wq, COLUMNWISE) if need_dgrad else None
+            saved_x, saved_w = _keep(xq, COLUMNWISE), _keep(wq, COLUMNWISE)
         elif override == "high_precision":
-            saved_x = x2 if need_wgrad else None
-            w_hp = weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
-            saved_w = w_hp if need_dgrad else None
+            saved_x, saved_w = x2, weight
         else:  # "dequantized": exactly the forward operands
-            saved_x = _keep(xq, ROWWISE) if need_wgrad else None
-            saved_w = _keep(wq, ROWWISE) if need_dgrad else None
-        ctx.save_for_backward(saved_x, saved_w)
-        ctx.sg, ctx.override, ctx.has_bias = sg, override, bias is not None
+            saved_x, saved_w = _keep(xq, ROWWISE), _keep(wq, ROWWISE)
+        if isinstance(weight, QuantizedTensor):
+            # A quantized weight parameter is kept as the object itself: under FSDP2 its payloads
+            # are refilled by the backward all-gather (columnwise, or what the override needs).
+            saved_w = weight
+        ctx.save_for_backward(saved_x if need_wgrad else None, saved_w if need_dgrad else None)
+        ctx.sg, ctx.override, ctx.name = sg, override, name
+        ctx.need = (need_dgrad, need_wgrad, bias is not None and bias.requires_grad)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         saved_x, saved_w = ctx.saved_tensors
-        need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
+        need_dgrad, need_wgrad, need_bgrad = ctx.need
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
         if ctx.override is None:
             gq = ctx.sg.quantize(dy2, rowwise=need_dgrad, columnwise=need_wgrad)
             if need_dgrad:
+                if isinstance(saved_w, QuantizedTensor) and not saved_w.has(COLUMNWISE):
+                    raise RuntimeError(f"dtq: {ctx.name}: the weight has no columnwise payload for dgrad (it holds "
+                                       f"{list(saved_w.directions)}). Quantize the weight with both directions, or "
+                                       "train it under a recipe with backward_override")
                 dx = mm(Operand(gq, ROWWISE), Operand(saved_w, COLUMNWISE), torch.float32).to(ctx.x_dtype)
             if need_wgrad:
                 dw = mm(Operand(gq, COLUMNWISE, transpose=True), Operand(saved_x, COLUMNWISE), torch.float32)
                 dw = dw.to(ctx.w_dtype)
-        else:
-            # Same products, in the same order, as torch's own linear backward, so that
-            # "high_precision" reproduces an unquantized module's gradients bit for bit.
-            def hp(t):
-                return t.dequantize(dy.dtype, direction=ROWWISE) if isinstance(t, QuantizedTensor) else t.to(dy.dtype)
-
+        elif ctx.override == "high_precision":
+            # Same products, in the same order and dtype, as torch's own linear backward, so that
+            # the gradients are bitwise those of the unquantized module.
             if need_dgrad:
-                dx = dy2.mm(hp(saved_w)).to(ctx.x_dtype)
+                dx = dy2.mm(_hp(saved_w, dy.dtype)).to(ctx.x_dtype)
             if need_wgrad:
-                dw = hp(saved_x).t().mm(dy2).t().to(ctx.w_dtype)
+                dw = _hp(saved_x, dy.dtype).t().mm(dy2).t().to(ctx.w_dtype)
+        else:
+            # "dequantized": the forward's operand values exactly (fp32; they need not fit in bf16).
+            g = dy2.float()
+            if need_dgrad:
+                dx = g.mm(saved_w.dequantize(torch.float32, direction=ROWWISE) if isinstance(saved_w, QuantizedTensor)
+                          else _hp(saved_w, torch.float32)).to(ctx.x_dtype)
+            if need_wgrad:
+                xd = (saved_x.dequantize(torch.float32, direction=ROWWISE) if isinstance(saved_x, QuantizedTensor)
+                      else _hp(saved_x, torch.float32))
+                dw = xd.t().mm(g).t().to(ctx.w_dtype)
         if need_bgrad:
             db = dy2.sum(0)
         if dx is not None:
             dx = dx.reshape(ctx.x_shape)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
+
+
+class DequantizeWeight(torch.autograd.Function):
+    """High-precision use of a quantized weight parameter (outside ``dtq.autocast``): the gradient
+    flows to the parameter unchanged."""
+
+    @staticmethod
+    def forward(ctx, weight: QuantizedTensor, dtype: torch.dtype):
+        return weight.dequantize(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None

@@ -28,6 +28,9 @@ class GroupedLinear(QuantizedModule):
     def gemm_suffixes(self) -> list[str]:
         return [f".gemm{i}" for i in range(self.num_gemms)]
 
+    def weight_names(self) -> list[str]:
+        return [f"weight{i}" for i in range(self.num_gemms)]
+
     def forward(self, x: torch.Tensor, m_splits: list[int]) -> torch.Tensor:
         m_splits = list(m_splits)
         rows = x.reshape(-1, x.shape[-1])

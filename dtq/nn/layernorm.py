@@ -64,6 +64,9 @@ class LayerNormMLP(QuantizedModule):
     def gemm_suffixes(self) -> list[str]:
         return [".fc1", ".fc2"]
 
+    def weight_names(self) -> list[str]:
+        return ["fc1_weight", "fc2_weight"]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self._linear(self.norm(x), self.fc1_weight, self.fc1_bias, gemm=0)
         if self.activation == "swiglu":

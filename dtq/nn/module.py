@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from dtq.autocast import active_recipe
-from dtq.nn._linear_fn import LinearFn, Slot
+from dtq.nn._linear_fn import DequantizeWeight, LinearFn, Slot
+from dtq.parallel._torch_private import in_backward, inside_checkpoint_forward
+from dtq.parallel.fsdp import HighPrecisionWeight
 from dtq.recipe import QuantizerRole, Recipe
-from dtq.tensor import QuantizedTensor
+from dtq.tensor import QuantizedTensor, warn_once
 
 SLOT_TYPES = ("input", "weight", "output", "grad_output", "grad_input")
 _QUANTIZED_SLOTS = ("input", "weight", "grad_output")
@@ -29,6 +33,14 @@ class QuantizedModule(torch.nn.Module):
     def gemm_suffixes(self) -> list[str]:
         return [""]
 
+    def weight_names(self) -> list[str]:
+        """The GEMM weight parameter of each GEMM, in GEMM order."""
+        return ["weight"]
+
+    def weight_quantizer(self, weight_name: str, recipe: Recipe):
+        """The quantizer ``recipe`` gives the weight ``weight_name`` of this module."""
+        return self._slots(recipe, self.weight_names().index(weight_name))[1].quantizer
+
     def quantizer_roles(self) -> list[QuantizerRole | None]:
         roles: list[QuantizerRole | None] = []
         for suffix in self.gemm_suffixes():
@@ -38,56 +50,114 @@ class QuantizedModule(torch.nn.Module):
 
     def _slots(self, recipe: Recipe, gemm: int) -> tuple[Slot, Slot, Slot]:
         """The (input, weight, grad_output) slots of one GEMM under ``recipe``; the factory is asked
-        once per slot and recipe."""
-        key = recipe
-        if key not in self._slot_cache:
-            self._slot_cache = {key: self._build_slots(recipe)}  # one recipe at a time
-        return self._slot_cache[key][gemm]
+        once per slot and recipe (the last few recipes are remembered)."""
+        slots = self._slot_cache.pop(recipe, None)
+        if slots is None:
+            slots = self._build_slots(recipe)
+        self._slot_cache[recipe] = slots  # most recent last
+        while len(self._slot_cache) > 8:
+            self._slot_cache.pop(next(iter(self._slot_cache)))
+        return slots[gemm]
 
     def _build_slots(self, recipe: Recipe) -> list[tuple[Slot, Slot, Slot]]:
         roles = self.quantizer_roles()
         out = []
-        for g, suffix in enumerate(self.gemm_suffixes()):
+        for g in range(len(self.gemm_suffixes())):
             gemm_roles = roles[g * len(SLOT_TYPES):(g + 1) * len(SLOT_TYPES)]
             slots = []
             for tt, role in zip(SLOT_TYPES, gemm_roles):
                 if tt not in _QUANTIZED_SLOTS:
                     continue
-                slot = Slot(recipe.quantizer(role))
+                slot = Slot(role, recipe.quantizer(role))
+                q = slot.quantizer
+                if recipe.backward_override is not None and q is not None and q.for_direction("columnwise") != \
+                        q.for_direction("rowwise") and tt != "grad_output":
+                    warn_once(f"override-hybrid:{type(recipe).__name__}",
+                              f"dtq: backward_override={recipe.backward_override!r} builds no columnwise payload: the "
+                              f"columnwise part of {q!r} (for {role}) is not used")
                 if recipe.delayed and slot.quantizer is not None:
-                    slot.history = self._history(f"{g}_{tt}", recipe.amax_history_len)
+                    slot.owner, slot.history = weakref.ref(self), self._history(f"{g}_{tt}", recipe.amax_history_len)
                     slot.margin, slot.most_recent = recipe.margin, recipe.amax_compute_algo == "most_recent"
                 slots.append(slot)
             out.append(tuple(slots))
         return out
 
-    def _history(self, key: str, length: int) -> torch.Tensor:
+    def _history(self, key: str, length: int) -> str:
         name = f"amax_history_{key}"
         buf = getattr(self, name, None)
         if buf is None or buf.numel() != length:
             device = next((p.device for p in self.parameters()), torch.device("cpu"))
             self.register_buffer(name, torch.zeros(length, dtype=torch.float32, device=device))
-            buf = getattr(self, name)
-        return buf
+        return name
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Delayed-scaling histories are created on first use: accept them from a checkpoint.
+        for key, value in state_dict.items():
+            name = key[len(prefix):]
+            if key.startswith(prefix) and name.startswith("amax_history_") and "." not in name:
+                if getattr(self, name, None) is None or getattr(self, name).shape != value.shape:
+                    self.register_buffer(name, torch.zeros_like(value))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def __getstate__(self):
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        state = dict(state)
+        state["_slot_cache"] = {}  # rebuilt on use; holds weak references and user factories
+        state.pop("_dtq_recipe", None)
+        return state
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemm: int = 0) -> torch.Tensor:
+        name = f"{type(self).__name__} {self.name!r}{self.gemm_suffixes()[gemm]}"
         if x.shape[-1] != weight.shape[-1]:
-            raise ValueError(f"{type(self).__name__} {self.name!r}{self.gemm_suffixes()[gemm]}: input of shape "
-                             f"{list(x.shape)} has last dim {x.shape[-1]}, but the weight {list(weight.shape)} expects "
-                             f"{weight.shape[-1]} input features")
+            raise ValueError(f"{name}: input of shape {list(x.shape)} has last dim {x.shape[-1]}, but the weight "
+                             f"{list(weight.shape)} expects {weight.shape[-1]} input features")
+        replay = in_backward()  # a forward run by backward is a recompute (torch.utils.checkpoint)
         recipe = active_recipe()
+        if replay and recipe is None:
+            recipe = getattr(self, "_dtq_recipe", None)  # recompute under the forward's recipe
+        if not replay:
+            # What an FSDP2 gather of this module's weights needs to know later
+            # (dtq.parallel.fsdp): the recipe in use, and whether backward will recompute.
+            self._dtq_recipe = recipe
+            self._dtq_recompute = inside_checkpoint_forward() or (not torch.is_grad_enabled() and weight.requires_grad)
         if recipe is None:
-            w = weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
-            return torch.nn.functional.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
+            if isinstance(weight, QuantizedTensor):
+                weight = DequantizeWeight.apply(weight, x.dtype)
+            return torch.nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
         sx, sw, sg = self._slots(recipe, gemm)
-        return LinearFn.apply(x, weight, bias, sx, sw, sg, recipe.backward_override)
+        if isinstance(weight, QuantizedTensor) and sw.quantizer is not None and weight.quantizer != sw.quantizer:
+            warn_once(f"qparam-recipe:{id(self)}", f"dtq: {name} holds a weight quantized as {weight.quantizer!r}; it is "
+                      f"used as stored, not requantized to the recipe's {sw.quantizer!r}")
+        grad = torch.is_grad_enabled()
+        return LinearFn.apply(x, weight, bias, sx, sw, sg, recipe.backward_override,
+                              grad and x.requires_grad, grad and weight.requires_grad, replay, name)
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's initialization for every GEMM weight and bias (for meta-device init)."""
+        for wname in self.weight_names():
+            w = getattr(self, wname)
+            data = w.__dtq_unwrap__() if hasattr(w, "__dtq_unwrap__") else w
+            if isinstance(data, QuantizedTensor) or data.device.type == "meta":
+                continue
+            with torch.no_grad():
+                torch.nn.init.kaiming_uniform_(data, a=5 ** 0.5)
+                b = getattr(self, wname.replace("weight", "bias"), None)
+                if b is not None:
+                    bound = 1 / data.shape[1] ** 0.5 if data.shape[1] > 0 else 0
+                    torch.nn.init.uniform_(b, -bound, bound)
+
+
+def as_weight(t: torch.Tensor, requires_grad: bool = True) -> torch.nn.Parameter:
+    """A GEMM weight parameter: high precision, gathered quantized by FSDP2."""
+    data = t.__dtq_unwrap__() if hasattr(t, "__dtq_unwrap__") else t
+    return torch.nn.Parameter(HighPrecisionWeight.wrap(data), requires_grad=requires_grad)
 
 
 def init_weight(out_features: int, in_features: int, dtype, device) -> torch.nn.Parameter:
-    w = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+    w = torch.empty(out_features, in_features, dtype=dtype, device=device)
     if w.device.type != "meta":
         torch.nn.init.kaiming_uniform_(w, a=5 ** 0.5)  # nn.Linear's default
-    return w
+    return as_weight(w)
 
 
 def init_bias(out_features: int, in_features: int, dtype, device) -> torch.nn.Parameter:

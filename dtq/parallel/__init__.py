@@ -1,0 +1,6 @@
+"""Distributed pieces: FSDP2 all-gather extensions, master-weight casts, byte counters."""
+
+from dtq.parallel.comm import comm_stats
+from dtq.parallel.fsdp import HighPrecisionWeight, precompute_amax
+
+__all__ = ["comm_stats", "precompute_amax", "HighPrecisionWeight"]

@@ -1,0 +1,90 @@
+"""Every read of torch's private state that dtq relies on, in one file.
+
+FSDP2 tells an all-gather extension which module owns the parameter but not *why* it gathers;
+direction-aware gathers need the parameter group's training state (FORWARD vs PRE_BACKWARD) and
+``reshard_after_forward``, and, because FSDP2 sizes its all-gather buffers once, a way to let them
+be re-sized when the gathered directions change. ``tests/test_torch_private.py`` fails loudly if
+a torch release moves any of this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherContext:
+    training_state: str  # "FORWARD", "PRE_BACKWARD", "POST_BACKWARD" or "IDLE"
+    reshard_after_forward: bool
+    param_name: str
+    fsdp_param: object  # torch's FSDPParam (private)
+
+
+def _param_groups(state) -> list:
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch < 2.12
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return list(groups)
+
+
+def _find(local_tensor: torch.Tensor):
+    from torch.distributed._composable_state import _module_state_mapping
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    for ref in list(_module_state_mapping.values()):
+        state = ref()
+        if not isinstance(state, FSDPState):
+            continue
+        for group in _param_groups(state):
+            for fsdp_param in group.fsdp_params:
+                if fsdp_param._sharded_local_tensor is local_tensor:
+                    return group, fsdp_param
+    raise RuntimeError("dtq: this tensor's fsdp_pre_all_gather was called, but no FSDP2 parameter group "
+                       "holds it as a sharded parameter (is torch's FSDP2 layout different in this release?)")
+
+
+def gather_context(local_tensor: torch.Tensor) -> GatherContext:
+    """Why FSDP2 is gathering ``local_tensor`` right now. The lookup is cached on the tensor."""
+    cached = getattr(local_tensor, "_dtq_fsdp_refs", None)
+    group = fsdp_param = None
+    if cached is not None:
+        group, fsdp_param = cached[0](), cached[1]()
+    if group is None or fsdp_param is None or fsdp_param._sharded_local_tensor is not local_tensor:
+        group, fsdp_param = _find(local_tensor)
+        local_tensor._dtq_fsdp_refs = (weakref.ref(group), weakref.ref(fsdp_param))
+    return GatherContext(training_state=group._training_state.name,
+                         reshard_after_forward=bool(group._reshard_after_forward),
+                         param_name=f"{group._module_fqn}.{fsdp_param._module_info.param_name}".lstrip("."),
+                         fsdp_param=fsdp_param)
+
+
+def resize_gather_buffers(ctx: GatherContext, inputs: list[torch.Tensor], world_size: int) -> None:
+    """FSDP2 allocates a parameter's all-gather outputs once, sized by its first gather. When
+    the directions gathered change (forward: rowwise, backward: columnwise), drop them so FSDP2
+    allocates buffers of the new sizes; the unsharded parameter object itself is kept."""
+    outs = ctx.fsdp_param.all_gather_outputs
+    if not outs:
+        return
+    want = [(t.numel() * world_size, t.dtype) for t in inputs]
+    have = [(t.numel() if t.untyped_storage().size() else t.shape.numel(), t.dtype) for t in outs]
+    if want != have:
+        ctx.fsdp_param.all_gather_outputs = []
+
+
+def inside_checkpoint_forward() -> bool:
+    """True while ``torch.utils.checkpoint`` runs a forward whose activations it will recompute:
+    non-reentrant (its saved-tensor hook is on top) or reentrant (forward under no_grad)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", ""):
+        return True
+    return False
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass on this thread (a module forward then
+    is a recompute)."""
+    return torch._C._current_graph_task_id() != -1

@@ -1,0 +1,295 @@
+"""FSDP2 all-gather extensions: plain ``fully_shard`` on a dtq model gathers quantized payloads.
+
+Two parameter modes share one gather path:
+
+* high-precision shards (default): a dtq module's GEMM weight is a :class:`HighPrecisionWeight`;
+  its ``fsdp_pre_all_gather`` quantizes the local shard with the module's current weight
+  quantizer and a global amax (precomputed by :func:`precompute_amax`, or reduced on the spot);
+* quantized parameters: the sharded parameter is a ``QuantizedTensor`` and its stored payloads are
+  gathered as they are.
+
+Either way the all-gather inputs are the row-structured payload fields of the directions this
+gather needs; per-tensor fields (one global scale) travel in the metadata. The unsharded
+parameter is a ``QuantizedTensor`` whose payloads are views of the gathered buffers.
+
+Directions: a forward gather with ``reshard_after_forward=True`` moves rowwise payloads only and
+the backward gather columnwise only (both when the module will be recomputed); with ``False`` the
+forward gather moves both once. The module tells which recipe and backward override it runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map
+
+from dtq.autocast import active_recipe
+from dtq.formats import COLUMNWISE, ROWWISE, IdentityQuantizer, Quantizer, codec_for
+from dtq.formats.base import quantize_payloads, shape_2d
+from dtq.parallel import comm
+from dtq.parallel._torch_private import GatherContext, gather_context, resize_gather_buffers
+from dtq.tensor import QuantizedTensor, warn_once
+
+
+@dataclasses.dataclass(frozen=True)
+class _GatherMeta:
+    quantizer: Quantizer
+    directions: tuple[str, ...]
+    layout: tuple[tuple[str, str], ...]  # (direction, field) of each all-gather input
+    shared: dict  # (direction, field) -> per-tensor tensor, identical on every rank
+    full_shape: torch.Size
+
+
+def _needed_directions(ctx: GatherContext, module, quantizer: Quantizer, have: tuple[str, ...]) -> tuple[str, ...]:
+    recipe = active_recipe() or getattr(module, "_dtq_recipe", None)
+    override = recipe.backward_override if recipe is not None else None
+    columnwise_for_backward = override is None
+    rowwise_for_backward = override is not None or getattr(module, "_dtq_recompute", False)
+    state = ctx.training_state
+    if state == "FORWARD":  # (FSDP2 gathers under no_grad: grad mode says nothing here)
+        want = {ROWWISE}
+        if not ctx.reshard_after_forward:  # kept unsharded until backward: bring backward's payload too
+            want |= {COLUMNWISE} if columnwise_for_backward else {ROWWISE}
+    elif state == "PRE_BACKWARD":
+        want = ({COLUMNWISE} if columnwise_for_backward else set()) | ({ROWWISE} if rowwise_for_backward else set())
+    else:  # an explicit unshard(), state-dict gathering, ...: everything the recipe uses
+        want = {ROWWISE} | ({COLUMNWISE} if columnwise_for_backward else set())
+    dirs = tuple(d for d in (ROWWISE, COLUMNWISE) if d in want and d in have)
+    if not dirs:
+        raise RuntimeError(f"dtq: FSDP2 gathers {ctx.param_name} in state {state} and needs {sorted(want)}, but the "
+                           f"sharded parameter only holds {list(have)}; quantize it with both directions")
+    return dirs
+
+
+def _check_alignment(ctx: GatherContext, quantizer: Quantizer, dirs, shard_rows: int, full_shape, world: int):
+    """DESIGN 5.4: a gathered direction's dim-0 blocks must not straddle two shards."""
+    rows_per_index = shape_2d(full_shape)[0] // max(full_shape[0], 1) if len(full_shape) > 1 else 1
+    for d in dirs:
+        need = quantizer.block_rows(d)
+        if (shard_rows * rows_per_index) % need:
+            raise ValueError(
+                f"dtq: cannot all-gather {ctx.param_name} (shape {list(full_shape)}) as {quantizer.for_direction(d).format_name} "
+                f"{d} payloads over {world} FSDP ranks: each shard has {shard_rows} rows but {d} blocks span {need} "
+                f"rows, so a block would be split across ranks. Use a shard count that makes dim 0 / world size a "
+                f"multiple of {need}, or a format with smaller {d} blocks for this parameter")
+    if full_shape[0] % world:
+        raise NotImplementedError(
+            f"dtq: {ctx.param_name} has dim 0 = {full_shape[0]}, not divisible by the {world} FSDP ranks; quantized "
+            f"all-gathers need even shards. Choose a world size that divides {full_shape[0]}")
+
+
+def _split(quantizer: Quantizer, payloads: dict, dirs) -> tuple[list[torch.Tensor], tuple, dict]:
+    inputs, layout, shared = [], [], {}
+    for d in dirs:
+        sub = quantizer.for_direction(d)
+        for field, rows in codec_for(sub).fields(sub, d).items():
+            t = payloads[d][field]
+            if rows is None:
+                shared[(d, field)] = t
+            else:
+                inputs.append(t.contiguous())
+                layout.append((d, field))
+    return inputs, tuple(layout), shared
+
+
+def _record(quantizer: Quantizer, layout, inputs, world: int) -> None:
+    per_dir: dict[str, int] = {}
+    for (d, _), t in zip(layout, inputs):
+        per_dir[d] = per_dir.get(d, 0) + t.numel() * t.element_size() * world
+    for d, n in per_dir.items():
+        comm.record(quantizer.for_direction(d).format_name, d, n)
+
+
+def post_all_gather(outputs, meta: _GatherMeta, param_dtype: torch.dtype, out: QuantizedTensor | None = None):
+    payloads: dict[str, dict] = {d: {} for d in meta.directions}
+    for (d, field), t in zip(meta.layout, outputs):
+        payloads[d][field] = t
+    for (d, field), t in meta.shared.items():
+        payloads[d][field] = t
+    if out is not None:
+        # FSDP2 keeps one unsharded parameter object across gathers (autograd accumulates into
+        # it); refill it with this gather's payloads.
+        out._quantizer, out._payloads, out._shape2d = meta.quantizer, payloads, shape_2d(meta.full_shape)
+        return None
+    return QuantizedTensor(meta.full_shape, param_dtype, meta.quantizer, payloads), ()
+
+
+def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world):
+    inputs, layout, shared = _split(quantizer, payloads, dirs)
+    resize_gather_buffers(ctx, inputs, world)
+    if isinstance(quantizer, IdentityQuantizer):
+        dtype = payloads[dirs[0]]["data"].dtype
+        comm.record_fallback(dtype, sum(t.numel() * t.element_size() for t in inputs) * world, ctx.param_name,
+                             "no dtq recipe is active for its module (run the step under dtq.autocast) or the "
+                             "recipe asks for the high-precision weight in backward")
+    else:
+        _record(quantizer, layout, inputs, world)
+    return tuple(inputs), _GatherMeta(quantizer, dirs, layout, shared, torch.Size(full_shape))
+
+
+# -- high-precision shards -----------------------------------------------------------------------
+
+
+aten = torch.ops.aten
+
+
+class HighPrecisionWeight(torch.Tensor):
+    """A GEMM weight kept in high precision whose FSDP2 all-gather moves quantized payloads.
+
+    A wrapper subclass around the real data (``_data``): the view and copy ops FSDP2 applies to a
+    parameter (detach, chunk/split, slice, view, new_zeros, copy_, ...) keep the class and with it
+    the all-gather hooks; every other op runs on the plain data and returns plain tensors."""
+
+    _KEEP = {
+        aten.detach.default, aten.alias.default, aten.view.default, aten._unsafe_view.default,
+        aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.as_strided.default,
+        aten.new_zeros.default, aten.new_empty.default, aten.new_empty_strided.default, aten.empty_like.default,
+        aten.zeros_like.default, aten.clone.default, aten._to_copy.default, aten._pin_memory.default,
+        aten.t.default,
+    }
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, requires_grad: bool = False):
+        self = torch.Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(),
+                                                   storage_offset=data.storage_offset(), dtype=data.dtype,
+                                                   device=data.device, layout=data.layout, requires_grad=requires_grad)
+        self._data = data
+        return self
+
+    @staticmethod
+    def wrap(t: torch.Tensor) -> "HighPrecisionWeight":
+        return HighPrecisionWeight(t.detach())
+
+    def __dtq_unwrap__(self) -> torch.Tensor:
+        return self._data
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f"HighPrecisionWeight({self._data!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        wrappers = {}
+
+        def unwrap(t):
+            if isinstance(t, HighPrecisionWeight):
+                wrappers[id(t._data)] = t
+                return t._data
+            return t
+
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        # In-place ops hand back their (unwrapped) argument: give the wrapper back instead.
+        out = tree_map(lambda t: wrappers.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
+        if func in cls._KEEP:
+            return tree_map(lambda t: HighPrecisionWeight(t) if type(t) is torch.Tensor else t, out)
+        return out
+
+    def __reduce_ex__(self, protocol):
+        return (HighPrecisionWeight, (self._data, self.requires_grad))
+
+    # Traceable-wrapper-subclass protocol: lets nn.Module.to()/.double()/.cuda() swap the whole
+    # tensor instead of assigning .data behind the wrapper's back.
+    def __tensor_flatten__(self):
+        return ["_data"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return HighPrecisionWeight(inner["_data"])
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        ctx = gather_context(self)
+        world = mesh.size()
+        param_dtype = mp_policy.param_dtype or self.dtype
+        shard = self._data.detach().to(param_dtype)
+        recipe = active_recipe() or getattr(module, "_dtq_recipe", None)
+        leaf = ctx.param_name.rsplit(".", 1)[-1]
+        quantizer = module.weight_quantizer(leaf, recipe) if recipe is not None else None
+        hp_backward = (recipe is not None and recipe.backward_override == "high_precision"
+                       and ctx.training_state == "PRE_BACKWARD")
+        if quantizer is None or hp_backward:
+            quantizer = IdentityQuantizer()
+            dirs = (ROWWISE,)
+            payloads = quantize_payloads(quantizer, shard, dirs)
+        else:
+            dirs = _needed_directions(ctx, module, quantizer, (ROWWISE, COLUMNWISE))
+            _check_alignment(ctx, quantizer, dirs, shard.shape[0], outer_size, world)
+            amax = _global_amax(self, quantizer, shard, mesh, ctx.param_name)
+            payloads = quantize_payloads(quantizer, shard, dirs, amax=amax)
+        return _finish(ctx, quantizer, dirs, payloads, outer_size, world)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        return post_all_gather(all_gather_outputs, metadata, param_dtype, out)
+
+
+def _amax_key(t: torch.Tensor, quantizer: Quantizer, dtype: torch.dtype):
+    return (t._version, quantizer, dtype)
+
+
+def _global_amax(local: torch.Tensor, quantizer: Quantizer, shard: torch.Tensor, mesh, name: str):
+    cached = getattr(local, "_dtq_amax", None)
+    if cached is not None and cached[0] == _amax_key(local, quantizer, shard.dtype):
+        return cached[1]
+    amax = quantizer.local_amax(shard)
+    if amax and mesh.size() > 1:
+        warn_once("fsdp-amax-on-the-fly",
+                  f"dtq: reducing the amax of {name} (and of every parameter like it) in its own all-reduce during "
+                  "the FSDP2 all-gather; call dtq.parallel.precompute_amax(model) after optimizer.step() to do "
+                  "all of them in one batched all-reduce")
+        stacked = torch.stack([amax[d] for d in amax])
+        dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        amax = dict(zip(amax, stacked.unbind(0)))
+    local._dtq_amax = (_amax_key(local, quantizer, shard.dtype), amax)
+    return amax
+
+
+@torch.no_grad()
+def precompute_amax(model: torch.nn.Module, recipe=None) -> None:
+    """Reduce the global amax of every FSDP2-sharded high-precision dtq weight that needs one, in
+    one all-reduce per process group. Call it after ``optimizer.step()`` (like torchao's
+    ``precompute_float8_dynamic_scale_for_fsdp``); gathers reuse the result until the weight changes."""
+    from torch.distributed.tensor import DTensor
+
+    from dtq.nn.module import QuantizedModule
+
+    groups: dict = {}
+    for module in model.modules():
+        if not isinstance(module, QuantizedModule):
+            continue
+        rec = recipe or active_recipe() or getattr(module, "_dtq_recipe", None)
+        if rec is None:
+            continue
+        for leaf in module.weight_names():
+            p = getattr(module, leaf)
+            local = p._local_tensor if isinstance(p, DTensor) else None
+            if not isinstance(local, HighPrecisionWeight):
+                continue
+            q = module.weight_quantizer(leaf, rec)
+            if q is None:
+                continue
+            ctx = gather_context(local)
+            dtype = ctx.fsdp_param.param_dtype or local.dtype
+            amax = q.local_amax(local._data.to(dtype))
+            if amax:
+                pg = ctx.fsdp_param.shard_mesh_from_root.get_group()
+                groups.setdefault(pg, []).append((local, q, dtype, amax))
+    for pg, items in groups.items():
+        flat = torch.stack([a for _, _, _, amax in items for a in amax.values()])
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=pg)
+        i = 0
+        for local, q, dtype, amax in items:
+            reduced = dict(zip(amax, flat[i:i + len(amax)].unbind(0)))
+            i += len(amax)
+            local._dtq_amax = (_amax_key(local, q, dtype), reduced)
+
+
+# -- quantized parameters ------------------------------------------------------------------------
+
+
+def quantized_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, module, mp_policy):
+    ctx = gather_context(self)
+    world = mesh.size()
+    dirs = _needed_directions(ctx, module, self._quantizer, self.directions)
+    _check_alignment(ctx, self._quantizer, dirs, self.shape[0], outer_size, world)
+    return _finish(ctx, self._quantizer, dirs, {d: self._payloads[d] for d in dirs}, outer_size, world)
