@@ -31,6 +31,8 @@ def _worker(fn, rank, world_size, port, backend, timeout_s, args, errors):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
+        # CPU ranks share the machine's cores instead of each taking all of them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size,

@@ -40,6 +40,8 @@ class _GatherMeta:
     layout: tuple[tuple[str, str], ...]  # (direction, field) of each all-gather input
     shared: dict  # (direction, field) -> per-tensor tensor, identical on every rank
     full_shape: torch.Size
+    aliases: dict  # direction -> the gathered direction whose payload it is bitwise
+    param_name: str
 
 
 def _needed_directions(ctx: GatherContext, module, quantizer: Quantizer, have: tuple[str, ...]) -> tuple[str, ...]:
@@ -80,6 +82,19 @@ def _check_alignment(ctx: GatherContext, quantizer: Quantizer, dirs, shard_rows:
             f"all-gathers need even shards. Choose a world size that divides {full_shape[0]}")
 
 
+def _aliases(quantizer: Quantizer, dirs) -> dict:
+    """Directions whose payload is bitwise another gathered one's (per-tensor FP8, square tiles,
+    passthrough): those move once."""
+    out = {}
+    for i, d in enumerate(dirs):
+        sub = quantizer.for_direction(d)
+        for src in dirs[:i]:
+            if src not in out and quantizer.for_direction(src) == sub and codec_for(sub).identical_directions(sub):
+                out[d] = src
+                break
+    return out
+
+
 def _split(quantizer: Quantizer, payloads: dict, dirs) -> tuple[list[torch.Tensor], tuple, dict]:
     inputs, layout, shared = [], [], {}
     for d in dirs:
@@ -108,6 +123,8 @@ def post_all_gather(outputs, meta: _GatherMeta, param_dtype: torch.dtype, out: Q
         payloads[d][field] = t
     for (d, field), t in meta.shared.items():
         payloads[d][field] = t
+    for d, src in meta.aliases.items():
+        payloads[d] = dict(payloads[src])
     if out is not None:
         # FSDP2 keeps one unsharded parameter object across gathers (autograd accumulates into
         # it); refill it with this gather's payloads.
@@ -117,7 +134,8 @@ def post_all_gather(outputs, meta: _GatherMeta, param_dtype: torch.dtype, out: Q
 
 
 def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world):
-    inputs, layout, shared = _split(quantizer, payloads, dirs)
+    aliases = _aliases(quantizer, dirs)
+    inputs, layout, shared = _split(quantizer, payloads, tuple(d for d in dirs if d not in aliases))
     resize_gather_buffers(ctx, inputs, world)
     if isinstance(quantizer, IdentityQuantizer):
         dtype = payloads[dirs[0]]["data"].dtype
@@ -126,7 +144,7 @@ def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world):
                              "recipe asks for the high-precision weight in backward")
     else:
         _record(quantizer, layout, inputs, world)
-    return tuple(inputs), _GatherMeta(quantizer, dirs, layout, shared, torch.Size(full_shape))
+    return tuple(inputs), _GatherMeta(quantizer, dirs, layout, shared, torch.Size(full_shape), aliases, ctx.param_name)
 
 
 # -- high-precision shards -----------------------------------------------------------------------
