@@ -83,7 +83,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | No
             p.kill()
             p.join()
     if failures:
-        rank, tb = sorted(failures)[0]
+        rank, tb = failures[0]  # the first to fail is most likely the cause
         others = sorted({r for r, _ in failures} - {rank})
         raise RuntimeError(f"rank {rank} of {world_size} failed"
                            + (f" (ranks {others} failed too)" if others else "") + f":\n{tb}")

@@ -45,6 +45,10 @@ class Float8BlockCodec(Codec):
     name = "fp8_block"
 
     @classmethod
+    def tile(cls, q, direction):
+        return q.tile(direction)
+
+    @classmethod
     def fields(cls, q, direction):
         return {"data": 1, "scale_inv": q.tile(direction)[0]}
 

@@ -69,6 +69,10 @@ class MXFP8Codec(Codec):
     name = "mxfp8"
 
     @classmethod
+    def tile(cls, q, direction):
+        return _tile(direction)
+
+    @classmethod
     def fields(cls, q, direction):
         return {"data": 1, "scale": _tile(direction)[0]}
 

@@ -68,6 +68,10 @@ class NVFP4Codec(Codec):
     name = "nvfp4"
 
     @classmethod
+    def tile(cls, q, direction):
+        return q.tile(direction)
+
+    @classmethod
     def fields(cls, q, direction):
         return {"data": 1, "scale": q.tile(direction)[0], "amax": None}
 

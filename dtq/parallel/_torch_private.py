@@ -19,7 +19,8 @@ import torch
 class GatherContext:
     training_state: str  # "FORWARD", "PRE_BACKWARD", "POST_BACKWARD" or "IDLE"
     reshard_after_forward: bool
-    param_name: str
+    param_name: str  # fully qualified when FSDP2 knows it (after its lazy init), for messages
+    leaf_name: str  # the attribute name on the owning module
     fsdp_param: object  # torch's FSDPParam (private)
 
 
@@ -56,10 +57,11 @@ def gather_context(local_tensor: torch.Tensor) -> GatherContext:
     if group is None or fsdp_param is None or fsdp_param._sharded_local_tensor is not local_tensor:
         group, fsdp_param = _find(local_tensor)
         local_tensor._dtq_fsdp_refs = (weakref.ref(group), weakref.ref(fsdp_param))
+    leaf = fsdp_param._module_info.param_name
+    prefix = group._module_fqn or ""
     return GatherContext(training_state=group._training_state.name,
                          reshard_after_forward=bool(group._reshard_after_forward),
-                         param_name=f"{group._module_fqn}.{fsdp_param._module_info.param_name}".lstrip("."),
-                         fsdp_param=fsdp_param)
+                         param_name=f"{prefix}.{leaf}".lstrip("."), leaf_name=leaf, fsdp_param=fsdp_param)
 
 
 def resize_gather_buffers(ctx: GatherContext, inputs: list[torch.Tensor], world_size: int) -> None:

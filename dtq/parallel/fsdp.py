@@ -42,6 +42,7 @@ class _GatherMeta:
     full_shape: torch.Size
     aliases: dict  # direction -> the gathered direction whose payload it is bitwise
     param_name: str
+    packed: tuple | None = None  # (world, [(dtype, padded shard shape, rows per entry)]) when packed
 
 
 def _needed_directions(ctx: GatherContext, module, quantizer: Quantizer, have: tuple[str, ...]) -> tuple[str, ...]:
@@ -65,21 +66,25 @@ def _needed_directions(ctx: GatherContext, module, quantizer: Quantizer, have: t
     return dirs
 
 
-def _check_alignment(ctx: GatherContext, quantizer: Quantizer, dirs, shard_rows: int, full_shape, world: int):
+def _padded_rows(full_shape, world: int) -> int:
+    return -(-full_shape[0] // world)  # torch.chunk's shard size: every shard but the last
+
+
+def _rows_per_index(full_shape) -> int:
+    return shape_2d(full_shape)[0] // max(full_shape[0], 1) if len(full_shape) > 1 else 1
+
+
+def _check_alignment(ctx: GatherContext, quantizer: Quantizer, dirs, full_shape, world: int):
     """DESIGN 5.4: a gathered direction's dim-0 blocks must not straddle two shards."""
-    rows_per_index = shape_2d(full_shape)[0] // max(full_shape[0], 1) if len(full_shape) > 1 else 1
+    shard_rows = _padded_rows(full_shape, world)
     for d in dirs:
         need = quantizer.block_rows(d)
-        if (shard_rows * rows_per_index) % need:
+        if world > 1 and (shard_rows * _rows_per_index(full_shape)) % need:
             raise ValueError(
                 f"dtq: cannot all-gather {ctx.param_name} (shape {list(full_shape)}) as {quantizer.for_direction(d).format_name} "
                 f"{d} payloads over {world} FSDP ranks: each shard has {shard_rows} rows but {d} blocks span {need} "
                 f"rows, so a block would be split across ranks. Use a shard count that makes dim 0 / world size a "
                 f"multiple of {need}, or a format with smaller {d} blocks for this parameter")
-    if full_shape[0] % world:
-        raise NotImplementedError(
-            f"dtq: {ctx.param_name} has dim 0 = {full_shape[0]}, not divisible by the {world} FSDP ranks; quantized "
-            f"all-gathers need even shards. Choose a world size that divides {full_shape[0]}")
 
 
 def _aliases(quantizer: Quantizer, dirs) -> dict:
@@ -109,15 +114,56 @@ def _split(quantizer: Quantizer, payloads: dict, dirs) -> tuple[list[torch.Tenso
     return inputs, tuple(layout), shared
 
 
-def _record(quantizer: Quantizer, layout, inputs, world: int) -> None:
+def _record(quantizer: Quantizer, layout, fields, world: int, moved_bytes: int) -> None:
+    """Bytes all-gathered per direction; any packing slack is charged to the first direction."""
     per_dir: dict[str, int] = {}
-    for (d, _), t in zip(layout, inputs):
+    for (d, _), t in zip(layout, fields):
         per_dir[d] = per_dir.get(d, 0) + t.numel() * t.element_size() * world
+    if per_dir:
+        first = next(iter(per_dir))
+        per_dir[first] += moved_bytes - sum(per_dir.values())
     for d, n in per_dir.items():
         comm.record(quantizer.for_direction(d).format_name, d, n)
 
 
+def _pack(inputs: list[torch.Tensor], shape) -> torch.Tensor:
+    """All fields' bytes in one all-gather input: flat, or (for FSDP2's uneven-shard rule that
+    every input has the padded parameter-shard shape) in a container of that shape whose dtype
+    is the narrowest that holds them."""
+    flat = torch.cat([t.contiguous().view(torch.uint8).reshape(-1) for t in inputs])
+    if shape is None:
+        return flat
+    n = max(1, torch.Size(shape).numel())
+    itemsize = next((i for i in (1, 2, 4, 8) if i * n >= flat.numel()), None)
+    if itemsize is None:
+        raise RuntimeError(f"dtq: {flat.numel()} payload bytes do not fit an all-gather input of shape {list(shape)}")
+    buf = torch.zeros(n * itemsize, dtype=torch.uint8, device=flat.device)
+    buf[:flat.numel()] = flat
+    return buf.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]).view(shape)
+
+
+def _unpack(output: torch.Tensor, meta: _GatherMeta) -> list[torch.Tensor]:
+    world, specs = meta.packed
+    per_rank = output.contiguous().view(torch.uint8).reshape(world, -1)
+    full_rows = shape_2d(meta.full_shape)[0]
+    pad_rows = _padded_rows(meta.full_shape, world) * _rows_per_index(meta.full_shape)
+    fields = []
+    offset = 0
+    for dtype, shape, rows_per_entry in specs:
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        pieces = []
+        for r in range(world):
+            valid = max(0, min(pad_rows, full_rows - r * pad_rows))  # payload rows this rank really has
+            t = per_rank[r, offset:offset + nbytes].view(dtype).view(shape)
+            pieces.append(t[:-(-valid // rows_per_entry)])
+        fields.append(torch.cat(pieces))
+        offset += nbytes
+    return fields
+
+
 def post_all_gather(outputs, meta: _GatherMeta, param_dtype: torch.dtype, out: QuantizedTensor | None = None):
+    if meta.packed is not None:
+        outputs = _unpack(outputs[0], meta)
     payloads: dict[str, dict] = {d: {} for d in meta.directions}
     for (d, field), t in zip(meta.layout, outputs):
         payloads[d][field] = t
@@ -133,9 +179,36 @@ def post_all_gather(outputs, meta: _GatherMeta, param_dtype: torch.dtype, out: Q
     return QuantizedTensor(meta.full_shape, param_dtype, meta.quantizer, payloads), ()
 
 
-def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world):
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    out = t.new_zeros((rows, *t.shape[1:]))
+    out[:t.shape[0]] = t
+    return out
+
+
+def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, rank):
     aliases = _aliases(quantizer, dirs)
-    inputs, layout, shared = _split(quantizer, payloads, tuple(d for d in dirs if d not in aliases))
+    moved = tuple(d for d in dirs if d not in aliases)
+    inputs, layout, shared = _split(quantizer, payloads, moved)
+    fields = inputs
+    packed = None
+    uneven = full_shape[0] % world != 0
+    if world == 1 or uneven:
+        # FSDP2's single-rank shortcut copies only the first all-gather input, and with uneven
+        # shards it wants every input in the padded shard's shape: pack all fields into one.
+        pad_rows = _padded_rows(full_shape, world) * _rows_per_index(full_shape)
+        specs, padded = [], []
+        for (d, field), t in zip(layout, inputs):
+            sub = quantizer.for_direction(d)
+            rows_per_entry = codec_for(sub).fields(sub, d)[field]
+            t = _pad_rows(t, -(-pad_rows // rows_per_entry))
+            specs.append((t.dtype, tuple(t.shape), rows_per_entry))
+            padded.append(t)
+        fields = padded
+        shard_shape = (_padded_rows(full_shape, world), *full_shape[1:]) if uneven else None
+        inputs = [_pack(padded, shard_shape)]
+        packed = (world, specs)
     resize_gather_buffers(ctx, inputs, world)
     if isinstance(quantizer, IdentityQuantizer):
         dtype = payloads[dirs[0]]["data"].dtype
@@ -143,8 +216,9 @@ def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world):
                              "no dtq recipe is active for its module (run the step under dtq.autocast) or the "
                              "recipe asks for the high-precision weight in backward")
     else:
-        _record(quantizer, layout, inputs, world)
-    return tuple(inputs), _GatherMeta(quantizer, dirs, layout, shared, torch.Size(full_shape), aliases, ctx.param_name)
+        _record(quantizer, layout, fields, world, sum(t.numel() * t.element_size() for t in inputs) * world)
+    return tuple(inputs), _GatherMeta(quantizer, dirs, layout, shared, torch.Size(full_shape), aliases, ctx.param_name,
+                                      packed)
 
 
 # -- high-precision shards -----------------------------------------------------------------------
@@ -222,8 +296,7 @@ class HighPrecisionWeight(torch.Tensor):
         param_dtype = mp_policy.param_dtype or self.dtype
         shard = self._data.detach().to(param_dtype)
         recipe = active_recipe() or getattr(module, "_dtq_recipe", None)
-        leaf = ctx.param_name.rsplit(".", 1)[-1]
-        quantizer = module.weight_quantizer(leaf, recipe) if recipe is not None else None
+        quantizer = module.weight_quantizer(ctx.leaf_name, recipe) if recipe is not None else None
         hp_backward = (recipe is not None and recipe.backward_override == "high_precision"
                        and ctx.training_state == "PRE_BACKWARD")
         if quantizer is None or hp_backward:
@@ -232,10 +305,10 @@ class HighPrecisionWeight(torch.Tensor):
             payloads = quantize_payloads(quantizer, shard, dirs)
         else:
             dirs = _needed_directions(ctx, module, quantizer, (ROWWISE, COLUMNWISE))
-            _check_alignment(ctx, quantizer, dirs, shard.shape[0], outer_size, world)
-            amax = _global_amax(self, quantizer, shard, mesh, ctx.param_name)
+            _check_alignment(ctx, quantizer, dirs, outer_size, world)
+            amax = _global_amax(self, quantizer, shard, mesh, ctx.param_name, dirs)
             payloads = quantize_payloads(quantizer, shard, dirs, amax=amax)
-        return _finish(ctx, quantizer, dirs, payloads, outer_size, world)
+        return _finish(ctx, quantizer, dirs, payloads, outer_size, world, mesh.get_local_rank())
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         return post_all_gather(all_gather_outputs, metadata, param_dtype, out)
@@ -245,11 +318,12 @@ def _amax_key(t: torch.Tensor, quantizer: Quantizer, dtype: torch.dtype):
     return (t._version, quantizer, dtype)
 
 
-def _global_amax(local: torch.Tensor, quantizer: Quantizer, shard: torch.Tensor, mesh, name: str):
+def _global_amax(local: torch.Tensor, quantizer: Quantizer, shard: torch.Tensor, mesh, name: str, dirs):
     cached = getattr(local, "_dtq_amax", None)
-    if cached is not None and cached[0] == _amax_key(local, quantizer, shard.dtype):
+    if cached is not None and cached[0] == _amax_key(local, quantizer, shard.dtype) and set(dirs) <= set(cached[1]) | {
+            d for d in dirs if not codec_for(quantizer.for_direction(d)).needs_amax(quantizer.for_direction(d), d)}:
         return cached[1]
-    amax = quantizer.local_amax(shard)
+    amax = quantizer.local_amax(shard, rowwise=ROWWISE in dirs, columnwise=COLUMNWISE in dirs)
     if amax and mesh.size() > 1:
         warn_once("fsdp-amax-on-the-fly",
                   f"dtq: reducing the amax of {name} (and of every parameter like it) in its own all-reduce during "
@@ -309,5 +383,6 @@ def quantized_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stri
     ctx = gather_context(self)
     world = mesh.size()
     dirs = _needed_directions(ctx, module, self._quantizer, self.directions)
-    _check_alignment(ctx, self._quantizer, dirs, self.shape[0], outer_size, world)
-    return _finish(ctx, self._quantizer, dirs, {d: self._payloads[d] for d in dirs}, outer_size, world)
+    _check_alignment(ctx, self._quantizer, dirs, outer_size, world)
+    return _finish(ctx, self._quantizer, dirs, {d: self._payloads[d] for d in dirs}, outer_size, world,
+                   mesh.get_local_rank())

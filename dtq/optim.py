@@ -1,0 +1,89 @@
+"""``dtq.optim.MasterWeightOptimizer``: FP32 master weights for quantized parameters."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from dtq.parallel.master import quantize_master_weights
+from dtq.tensor import QuantizedTensor
+
+
+def _is_quantized(p: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p._local_tensor if isinstance(p, DTensor) else p, QuantizedTensor)
+
+
+def _fp32_master(p: torch.Tensor) -> torch.nn.Parameter:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor):
+        local = p._local_tensor.dequantize(torch.float32)
+        return torch.nn.Parameter(DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                                     shape=p.shape, stride=p.stride()))
+    return torch.nn.Parameter(p.dequantize(torch.float32))
+
+
+class MasterWeightOptimizer(torch.optim.Optimizer):
+    """Wraps ``optimizer_cls``: it updates FP32 masters of the quantized parameters (and the other
+    parameters directly); after each ``step()`` the masters are cast back into the quantized
+    parameters' payloads with one batched amax all-reduce (``quantize_master_weights``).
+    ``state_dict()`` holds the inner optimizer's state and the masters (DTensors under FSDP2), so
+    ``torch.distributed.checkpoint`` can save and reshard it."""
+
+    def __init__(self, params: Iterable[torch.Tensor], optimizer_cls: type[torch.optim.Optimizer], **optimizer_kwargs: Any):
+        self.params = [p for p in params]
+        if not self.params:
+            raise ValueError("MasterWeightOptimizer got no parameters")
+        self.quantized = [p for p in self.params if _is_quantized(p)]
+        self.masters = [_fp32_master(p) for p in self.quantized]
+        by_id = {id(p): m for p, m in zip(self.quantized, self.masters)}
+        self.inner = optimizer_cls([by_id.get(id(p), p) for p in self.params], **optimizer_kwargs)
+        # Present the inner optimizer's param groups (LR schedulers act on them).
+        self.param_groups = self.inner.param_groups
+        self.defaults = self.inner.defaults
+        self.state = self.inner.state
+
+    def _pull_grads(self) -> None:
+        for p, m in zip(self.quantized, self.masters):
+            m.grad = None if p.grad is None else p.grad.to(torch.float32)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self._pull_grads()
+        loss = self.inner.step(closure)
+        if self.quantized:
+            quantize_master_weights(self.quantized, [_local_of(m) for m in self.masters])
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"inner": self.inner.state_dict(), "masters": [m.detach() for m in self.masters]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        masters = state_dict["masters"]
+        if len(masters) != len(self.masters):
+            raise ValueError(f"MasterWeightOptimizer.load_state_dict: {len(masters)} masters in the state dict, "
+                             f"{len(self.masters)} quantized parameters here")
+        for m, saved in zip(self.masters, masters):
+            m.copy_(saved)
+        self.inner.load_state_dict(state_dict["inner"])
+        if self.quantized:
+            quantize_master_weights(self.quantized, [_local_of(m) for m in self.masters])
+
+
+def _local_of(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t

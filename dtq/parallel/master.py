@@ -1,0 +1,182 @@
+"""Casting FP32 master weights into quantized parameters, across ranks, with one all-reduce.
+
+Two layouts of masters:
+
+* **dim-0 shards** (FSDP2): each master has the local shape of its parameter shard. Only the
+  tensor-wide amaxes (per-tensor FP8, NVFP4) need reducing; block amaxes live inside a shard.
+* **flat slices** (ZeRO-style): a :class:`FlatSlice` holds elements ``[start, start + n)`` of the
+  flattened full parameter, which every rank holds whole. Slices may cut through blocks: each
+  rank's partial block amaxes are reduced (MAX) with the others', the scales come out identical
+  on every rank, and each rank writes the codes of its own elements.
+
+All amaxes of all parameters travel in one all-reduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from dtq import _bits
+from dtq.formats import codec_for
+from dtq.formats.base import quantize_payloads
+from dtq.tensor import QuantizedTensor
+
+
+@dataclasses.dataclass
+class FlatSlice:
+    """Elements ``[start, start + data.numel())`` of a flattened full parameter."""
+
+    data: torch.Tensor
+    start: int
+
+
+def _local(p: torch.Tensor) -> QuantizedTensor:
+    from torch.distributed.tensor import DTensor
+
+    t = p._local_tensor if isinstance(p, DTensor) else p
+    if not isinstance(t, QuantizedTensor):
+        raise TypeError(f"quantize_master_weights: parameter of type {type(t).__name__} is not quantized; pass "
+                        "QuantizedTensor parameters (dtq.convert(..., quantized_params=True))")
+    return t
+
+
+def _default_group(params):
+    from torch.distributed.tensor import DTensor, Shard
+
+    for p in params:
+        if isinstance(p, DTensor):
+            dims = [i for i, pl in enumerate(p.placements) if isinstance(pl, Shard)]
+            return p.device_mesh.get_group(dims[-1]) if dims else None
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def _write(param: QuantizedTensor, payloads: dict, element_range: tuple[int, int] | None) -> None:
+    m, k = param.shape2d
+    for d, payload in payloads.items():
+        if not param.has(d):
+            continue
+        sub = param.quantizer.for_direction(d)
+        fields = codec_for(sub).fields(sub, d)
+        for field, new in payload.items():
+            old = param.payload(d)[field]
+            if element_range is None or field != "data":
+                old.copy_(new)
+                continue
+            per_elem = new.numel() / (m * k)  # bytes-per-element of the code field (1 or 1/2)
+            a, b = element_range[0] * per_elem, element_range[1] * per_elem
+            if a != int(a) or b != int(b):
+                raise ValueError(f"quantize_master_weights: a flat slice [{element_range[0]}, {element_range[1]}) of a "
+                                 f"{sub.format_name} parameter must start and end on a whole code byte "
+                                 f"(an even element index)")
+            old.view(-1)[int(a):int(b)].copy_(new.reshape(-1)[int(a):int(b)])
+            assert fields[field] is not None
+
+
+@torch.no_grad()
+def quantize_master_weights(params: Sequence[torch.Tensor], masters: Sequence[torch.Tensor | FlatSlice],
+                            group: dist.ProcessGroup | None = None) -> None:
+    """Requantize every parameter's held directions from its FP32 master, in place.
+
+    ``params`` are QuantizedTensor parameters (or DTensors of them); ``masters`` the matching
+    dim-0 shards or :class:`FlatSlice` objects. ``group`` is where the amaxes are reduced
+    (default: the parameters' FSDP shard group, else the default group; None without
+    ``torch.distributed``)."""
+    params, masters = list(params), list(masters)
+    if len(params) != len(masters):
+        raise ValueError(f"quantize_master_weights: {len(params)} parameters but {len(masters)} masters")
+    group = group if group is not None else _default_group(params)
+    plans, stats = [], []
+    for p, master in zip(params, masters):
+        qt = _local(p)
+        dirs = qt.directions
+        q = qt.quantizer
+        if isinstance(master, FlatSlice):
+            plans.append(_plan_flat(qt, master, dirs, stats))
+        else:
+            if tuple(master.shape) != tuple(qt.shape):
+                raise ValueError(f"quantize_master_weights: master of shape {list(master.shape)} for a parameter shard "
+                                 f"of shape {list(qt.shape)}; pass matching dim-0 shards or FlatSlice objects")
+            for d in dirs:
+                if qt.shape2d[0] % q.block_rows(d):
+                    raise ValueError(
+                        f"quantize_master_weights: a dim-0 shard of {qt.shape2d[0]} rows cannot hold whole "
+                        f"{q.block_rows(d)}-row {q.for_direction(d).format_name} {d} blocks; cast such parameters from "
+                        f"FlatSlice masters (partial block amaxes are then reduced across ranks) or shard them so that "
+                        f"every shard has a multiple of {q.block_rows(d)} rows")
+            amax = q.local_amax(master, rowwise="rowwise" in dirs, columnwise="columnwise" in dirs)
+            first = len(stats)
+            stats.extend(amax.values())
+            plans.append(("shard", qt, master, dirs, list(amax), first))
+    if stats:
+        flat = torch.cat([s.reshape(-1).float() for s in stats])
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+        stats = _unflatten(flat.reshape(-1), stats)
+    for plan in plans:
+        if plan[0] == "shard":
+            _, qt, master, dirs, keys, first = plan
+            amax = {d: stats[first + i].reshape(()) for i, d in enumerate(keys)}
+            _write(qt, quantize_payloads(qt.quantizer, master, dirs, amax=amax), None)
+        else:
+            _finish_flat(plan, stats)
+
+
+def _unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    out, i = [], 0
+    for t in like:
+        out.append(flat[i:i + t.numel()].reshape(t.shape))
+        i += t.numel()
+    return out
+
+
+def _plan_flat(qt: QuantizedTensor, sl: FlatSlice, dirs, stats: list):
+    m, k = qt.shape2d
+    start, end = sl.start, sl.start + sl.data.numel()
+    if not 0 <= start <= end <= m * k:
+        raise ValueError(f"quantize_master_weights: FlatSlice [{start}, {end}) is outside the {m * k} elements of a "
+                         f"parameter of shape {list(qt.shape)}")
+    buf = torch.zeros(m * k, dtype=torch.float32, device=sl.data.device)
+    buf[start:end] = sl.data.float().reshape(-1)
+    ours = torch.zeros(m * k, dtype=torch.bool, device=sl.data.device)
+    ours[start:end] = True
+    buf, ours = buf.view(m, k), ours.view(m, k)
+    entries = {}
+    for d in dirs:
+        sub = qt.quantizer.for_direction(d)
+        codec = codec_for(sub)
+        if codec.amax_space(sub, d) != "x":
+            raise ValueError(f"quantize_master_weights: {sub!r} transforms its {d} direction across rows; a flat "
+                             "slice cannot be cast piecewise. Use dim-0 shards for this parameter")
+        tile = codec.tile(sub, d)
+        entry = {}
+        if tile is not None:
+            entry["blocks"] = (len(stats), tile)
+            stats.append(_bits.block_amax(buf, tile))
+        if codec.needs_amax(sub, d):
+            entry["amax"] = len(stats)
+            stats.append(codec.local_amax(sub, buf, d).reshape(1))
+        entries[d] = entry
+    return ("flat", qt, buf, ours, dirs, entries, (start, end))
+
+
+def _finish_flat(plan, stats):
+    _, qt, buf, ours, dirs, entries, element_range = plan
+    payloads = {}
+    for d in dirs:
+        entry = entries[d]
+        filled = buf
+        if "blocks" in entry:
+            idx, tile = entry["blocks"]
+            # Every element that is not ours holds its block's global amax: quantizing the whole
+            # buffer then gives each block its global scale, and our elements their exact codes.
+            filled = torch.where(ours, buf, _bits.expand_blocks(stats[idx], tile, tuple(buf.shape)))
+        amax = {d: stats[entry["amax"]].reshape(())} if "amax" in entry else None
+        payloads[d] = quantize_payloads(qt.quantizer, filled, (d,), amax=amax)[d]
+    _write(qt, payloads, element_range)
+
+
+__all__ = ["FlatSlice", "quantize_master_weights"]

@@ -1,0 +1,62 @@
+"""dtq reads a few private torch attributes (dtq/parallel/_torch_private.py). If a torch release
+moves any of them, these tests fail with a message saying which one."""
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import dtq
+from dtq.parallel import _torch_private as priv
+from dtq.testing import spawn
+
+
+def _check_fsdp_state(rank, world):
+    model = torch.nn.Sequential(dtq.nn.Linear(64, 64, name="a"))
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model[0], mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    local = model[0].weight._local_tensor
+    ctx = priv.gather_context(local)
+    assert ctx.training_state == "IDLE", "FSDPParamGroup._training_state moved or was renamed"
+    assert ctx.reshard_after_forward is True, "FSDPParamGroup._reshard_after_forward moved"
+    assert ctx.leaf_name == "weight", f"FSDPParam._module_info.param_name moved ({ctx.leaf_name!r})"
+    assert hasattr(ctx.fsdp_param, "all_gather_outputs"), "FSDPParam.all_gather_outputs moved"
+    seen = []
+    real = priv.gather_context
+
+    def spy(t):
+        c = real(t)
+        seen.append(c.training_state)
+        return c
+
+    priv.gather_context = spy
+    import dtq.parallel.fsdp as ext
+    ext.gather_context = spy
+    try:
+        with dtq.autocast(dtq.MXFP8BlockScaling()):
+            model(torch.randn(32, 64)).sum().backward()
+    finally:
+        priv.gather_context = real
+        ext.gather_context = real
+    assert seen == ["FORWARD", "PRE_BACKWARD"], f"FSDP2 training states seen by the all-gather: {seen}"
+    assert priv.gather_context(local).param_name == "0.weight", "FSDPParamGroup._module_fqn moved"
+
+
+def test_fsdp2_private_state_is_where_dtq_reads_it():
+    spawn(_check_fsdp_state, 1, backend="gloo")
+
+
+def test_checkpoint_and_backward_detection():
+    from torch.utils.checkpoint import checkpoint
+
+    seen = {}
+
+    def f(x):
+        seen.setdefault("inside", []).append((priv.inside_checkpoint_forward(), priv.in_backward()))
+        return x * x  # saves x, so backward recomputes
+
+    x = torch.randn(4, requires_grad=True)
+    checkpoint(f, x, use_reentrant=False).sum().backward()
+    assert seen["inside"][0] == (True, False), "torch.utils.checkpoint's _checkpoint_hook is no longer detectable"
+    assert seen["inside"][1][1] is True, "torch._C._current_graph_task_id() no longer marks a recompute in backward"
+    assert priv.in_backward() is False and priv.inside_checkpoint_forward() is False
