@@ -323,7 +323,10 @@ def _global_amax(local: torch.Tensor, quantizer: Quantizer, shard: torch.Tensor,
     if cached is not None and cached[0] == _amax_key(local, quantizer, shard.dtype) and set(dirs) <= set(cached[1]) | {
             d for d in dirs if not codec_for(quantizer.for_direction(d)).needs_amax(quantizer.for_direction(d), d)}:
         return cached[1]
-    amax = quantizer.local_amax(shard, rowwise=ROWWISE in dirs, columnwise=COLUMNWISE in dirs)
+    try:  # both directions at once, so the backward gather reuses this reduction
+        amax = quantizer.local_amax(shard)
+    except ValueError:  # a direction this shard cannot hold (it is not gathered either)
+        amax = quantizer.local_amax(shard, rowwise=ROWWISE in dirs, columnwise=COLUMNWISE in dirs)
     if amax and mesh.size() > 1:
         warn_once("fsdp-amax-on-the-fly",
                   f"dtq: reducing the amax of {name} (and of every parameter like it) in its own all-reduce during "
