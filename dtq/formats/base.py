@@ -260,6 +260,10 @@ def quantize_payloads(q: Quantizer, x: torch.Tensor, directions: tuple[str, ...]
     out = {}
     for d, sub in subs.items():
         codec = codec_for(sub)
+        twin = next((h for h in out if subs[h] == sub and codec.identical_directions(sub)), None)
+        if twin is not None:  # bitwise the same payload: share the tensors instead of a second copy
+            out[d] = dict(out[twin])
+            continue
         a = None
         if codec.needs_amax(sub, d):
             if amax is None:
