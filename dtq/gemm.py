@@ -18,20 +18,22 @@ import torch
 from dtq.formats.base import codec_for, shape_2d
 from dtq.tensor import QuantizedTensor
 
-_local = threading.local()
+_recorders: list[list[str]] = []  # open record_paths() blocks (a debugging aid, empty otherwise)
+_lock = threading.Lock()
 
 
 @contextlib.contextmanager
 def record_paths() -> Iterator[list[str]]:
-    """Collect the name of every GEMM path taken inside the block on this thread (for tests and
-    debugging)."""
+    """Collect the name of every GEMM path taken while the block is open, on any thread (CUDA
+    backward passes run on autograd's own threads). For tests and debugging."""
     rec: list[str] = []
-    stack = _local.__dict__.setdefault("recorders", [])
-    stack.append(rec)
+    with _lock:
+        _recorders.append(rec)
     try:
         yield rec
     finally:
-        stack.remove(rec)
+        with _lock:
+            _recorders.remove(rec)
 
 
 @contextlib.contextmanager
@@ -206,7 +208,9 @@ def mm(a: Operand, b: Operand, out_dtype: torch.dtype = torch.float32) -> torch.
                          f"[{k2}, {n}] ({b.format} {b.direction}); the inner dimensions must agree")
     for path in PATHS:
         if path.supports(a, b, out_dtype):
-            for rec in getattr(_local, "recorders", ()):
-                rec.append(path.name)
+            if _recorders:
+                with _lock:
+                    for rec in _recorders:
+                        rec.append(path.name)
             return path.run(a, b, out_dtype)
     raise AssertionError("the emulated path supports every pairing")

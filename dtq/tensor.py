@@ -244,7 +244,15 @@ def _like(t: QuantizedTensor, payloads: dict[str, Payload], shape=None, dtype=No
 
 
 def _map_payloads(t: QuantizedTensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Payload]:
-    return {d: {k: fn(v) for k, v in p.items()} for d, p in t._payloads.items()}
+    """``fn`` on every payload tensor; tensors shared between directions stay shared."""
+    memo: dict[int, torch.Tensor] = {}
+
+    def once(v):
+        if id(v) not in memo:
+            memo[id(v)] = fn(v)
+        return memo[id(v)]
+
+    return {d: {k: once(v) for k, v in p.items()} for d, p in t._payloads.items()}
 
 
 def _fallback(func, args, kwargs):
@@ -288,7 +296,8 @@ def _zero_payloads(t: QuantizedTensor, shape, device, dtype) -> dict[str, Payloa
         sub = t._quantizer.for_direction(d)
         codec = codec_for(sub)
         codec.check_shape(sub, shape2, d)
-        out[d] = codec.empty(sub, shape2, d, device, dtype)
+        twin = next((h for h in out if t._quantizer.for_direction(h) == sub and codec.identical_directions(sub)), None)
+        out[d] = dict(out[twin]) if twin is not None else codec.empty(sub, shape2, d, device, dtype)
     return out
 
 

@@ -583,3 +583,15 @@ def test_dequantize_directions_differ_for_hybrid():
     assert not torch.equal(t.dequantize(direction="rowwise"), t.dequantize(direction="columnwise"))
     assert torch.equal(t.dequantize(direction="columnwise"),
                        dtq.NVFP4Quantizer().quantize(randn(256, 384)).dequantize(direction="columnwise"))
+
+
+@pytest.mark.parametrize("q", [dtq.Float8Quantizer(), dtq.Float8BlockQuantizer((128, 128)), dtq.NVFP4Quantizer((16, 16)),
+                               dtq.IdentityQuantizer()], ids=repr)
+def test_identical_directions_share_storage(q):
+    """Formats whose two directions are bitwise equal store one payload (half the memory), and
+    every copy-like op keeps it shared."""
+    t = q.quantize(randn(256, 256))
+    for u in (t, t.clone(), t.new_zeros((128, 256)), torch.empty_like(t), t[:128], t.detach(), t.view(-1)):
+        for k in u.payload("rowwise"):
+            assert u.payload("rowwise")[k] is u.payload("columnwise")[k] or \
+                u.payload("rowwise")[k].data_ptr() == u.payload("columnwise")[k].data_ptr(), (k, u.shape)
