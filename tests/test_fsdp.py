@@ -299,6 +299,20 @@ def _check_amax_and_mixed_precision(rank, world):
         model(x).sum().backward()
     assert count.calls == 0  # gathers reuse the precomputed amaxes (forward and backward)
 
+    # Outside dtq.autocast there is no quantizer: the weights are gathered in high precision,
+    # counted as a fall-back and warned about once.
+    dtq.parallel.comm.record_fallback  # noqa: B018 (the counter under test)
+    dtq.parallel.comm._WARNED.clear()
+    dtq.parallel.comm_stats(reset=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(x).sum().backward()
+        model(x).sum().backward()
+    stats = dtq.parallel.comm_stats(reset=True)
+    hp_bytes = 2 * 2 * sum(4 * p.numel() for p in _model().parameters() if p.dim() == 2)  # 2 steps, fwd + bwd
+    assert stats == {"float32/fallback": hp_bytes}, stats
+    assert sum("gathered in high precision" in str(w.message) for w in caught) == 1
+
     # MixedPrecisionPolicy: the gather quantizes the shard cast to param_dtype; grads reduce in fp32
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = _shard(_model(), mesh, True, mp)

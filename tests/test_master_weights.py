@@ -49,9 +49,14 @@ def _gather_rows(t, world):
     return torch.cat(parts).view(t.dtype)
 
 
+def _device():
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def _check_casts(rank, world):
     g = torch.Generator().manual_seed(0)
-    masters = [torch.randn(M, K, generator=g) * (i + 1) for i, _ in enumerate(_quantizers())]
+    dev = _device()
+    masters = [(torch.randn(M, K, generator=g) * (i + 1)).to(dev) for i, _ in enumerate(_quantizers())]
     quantizers = _quantizers()
     full = [q.quantize(m) for q, m in zip(quantizers, masters)]
     rows = M // world
@@ -61,9 +66,9 @@ def _check_casts(rank, world):
     split = [i for i in range(len(quantizers)) if i not in whole]
     for i in split:  # blocks taller than a shard: the DESIGN 5.4 error, pointing to FlatSlice
         with pytest.raises(ValueError, match="cannot hold whole 128-row"):
-            quantize_master_weights([quantizers[i].quantize(torch.zeros(rows, K))], [masters[i][:rows]])
+            quantize_master_weights([quantizers[i].quantize(torch.zeros(rows, K, device=dev))], [masters[i][:rows]])
     quantizers, full, masters_w = [quantizers[i] for i in whole], [full[i] for i in whole], [masters[i] for i in whole]
-    shards = [q.quantize(torch.zeros(rows, K)) for q in quantizers]
+    shards = [q.quantize(torch.zeros(rows, K, device=dev)) for q in quantizers]
     with _CountAllReduce() as count:
         quantize_master_weights(shards, [m[rank * rows:(rank + 1) * rows] for m in masters_w])
     assert count.calls == 1
@@ -79,7 +84,7 @@ def _check_casts(rank, world):
     full = [q.quantize(m) for q, m in zip(quantizers, masters)]
     bounds = [0] + [(M * K * r // world) // 32 * 32 + 16 for r in range(1, world)] + [M * K]
     start, end = bounds[rank], bounds[rank + 1]
-    params = [q.quantize(torch.zeros(M, K)) for q in quantizers]
+    params = [q.quantize(torch.zeros(M, K, device=dev)) for q in quantizers]
     with _CountAllReduce() as count:
         quantize_master_weights(params, [FlatSlice(m.reshape(-1)[start:end], start) for m in masters])
     assert count.calls == 1

@@ -16,13 +16,14 @@ def record(format_name: str, direction: str, nbytes: int) -> None:
 
 
 def record_fallback(dtype, nbytes: int, where: str, why: str) -> None:
-    """Count a high-precision gather and warn once per (where, why)."""
+    """Count a high-precision gather and warn once per reason (naming the first parameter)."""
     name = str(dtype).replace("torch.", "")
     _BYTES[f"{name}/fallback"] += int(nbytes)
-    key = f"{where}:{why}"
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(f"dtq: {where} is gathered in high precision ({name}): {why}", stacklevel=3)
+    if why not in _WARNED:
+        _WARNED.add(why)
+        warnings.warn(f"dtq: {where} (and any other parameter in the same situation) is gathered in high precision "
+                      f"({name}): {why}; dtq.parallel.comm_stats() counts these bytes as '{name}/fallback'",
+                      stacklevel=3)
 
 
 def comm_stats(reset: bool = False) -> dict[str, int]:

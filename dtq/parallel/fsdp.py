@@ -45,8 +45,17 @@ class _GatherMeta:
     packed: tuple | None = None  # (world, [(dtype, padded shard shape, rows per entry)]) when packed
 
 
+def _gather_recipe(ctx: GatherContext, module):
+    """The recipe a gather serves: the active one in forward (FSDP2 gathers inside the module
+    call, so inside the user's dtq.autocast; None there means high precision); in backward, which
+    runs outside autocast and possibly on autograd's own thread, the one the module last ran."""
+    if ctx.training_state == "FORWARD":
+        return active_recipe()
+    return active_recipe() or getattr(module, "_dtq_recipe", None)
+
+
 def _needed_directions(ctx: GatherContext, module, quantizer: Quantizer, have: tuple[str, ...]) -> tuple[str, ...]:
-    recipe = active_recipe() or getattr(module, "_dtq_recipe", None)
+    recipe = _gather_recipe(ctx, module)
     override = recipe.backward_override if recipe is not None else None
     columnwise_for_backward = override is None
     rowwise_for_backward = override is not None or getattr(module, "_dtq_recompute", False)
@@ -295,7 +304,7 @@ class HighPrecisionWeight(torch.Tensor):
         world = mesh.size()
         param_dtype = mp_policy.param_dtype or self.dtype
         shard = self._data.detach().to(param_dtype)
-        recipe = active_recipe() or getattr(module, "_dtq_recipe", None)
+        recipe = _gather_recipe(ctx, module)
         quantizer = module.weight_quantizer(ctx.leaf_name, recipe) if recipe is not None else None
         hp_backward = (recipe is not None and recipe.backward_override == "high_precision"
                        and ctx.training_state == "PRE_BACKWARD")
