@@ -114,7 +114,7 @@ def _fp8_tensorwise_ok(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
         return False
     if a.quantizer.dtype == torch.float8_e5m2 and b.quantizer.dtype == torch.float8_e5m2:
         return False  # no E5M2 x E5M2 kernel
-    (m, k), (k2, n) = a.logical_shape(), b.logical_shape()
+    (m, k), (_, n) = a.logical_shape(), b.logical_shape()
     return m % 16 == 0 and k % 16 == 0 and n % 16 == 0 and out_dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 

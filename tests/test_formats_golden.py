@@ -17,7 +17,6 @@ operands that double rounding is innocuous (53 >= 2*24 + 2), so this equals the 
 
 from __future__ import annotations
 
-import math
 import struct
 
 import os

@@ -3,7 +3,6 @@ processes and real collectives: gloo on CPU, NCCL where each rank has a GPU."""
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
