@@ -51,6 +51,52 @@ class Slot:
             raise ValueError(f"{self.role}: {e}") from None
 
 
+def _save(ctx, *objs) -> None:
+    """save_for_backward with QuantizedTensors taken apart into their plain payload tensors, so
+    saved-tensor hooks (torch.autograd.graph.save_on_cpu, dtq's offload) move payloads as
+    payloads: at their quantized size, bit for bit. A quantized *parameter* is kept as the object
+    (an FSDP2 backward gather refills it)."""
+    flat, specs, index = [], [], {}
+    for o in objs:
+        if isinstance(o, QuantizedTensor) and not isinstance(o, torch.nn.Parameter) and not getattr(o, "_is_param", False):
+            fields = []
+            for d in o.directions:
+                for k, v in o.payload(d).items():
+                    if id(v) not in index:  # identical directions share tensors: save once
+                        index[id(v)] = len(flat)
+                        flat.append(v)
+                    fields.append((d, k, index[id(v)]))
+            specs.append(("qt", tuple(o.shape), o.dtype, o.quantizer, o.shape2d, fields))
+        elif isinstance(o, QuantizedTensor):
+            specs.append(("obj", o))
+        elif o is None:
+            specs.append(("none",))
+        else:
+            specs.append(("t", len(flat)))
+            flat.append(o)
+    ctx.save_for_backward(*flat)
+    ctx.saved_specs = specs
+
+
+def _load(ctx) -> list:
+    flat = ctx.saved_tensors
+    out = []
+    for spec in ctx.saved_specs:
+        if spec[0] == "qt":
+            _, shape, dtype, quantizer, shape2d, fields = spec
+            payloads: dict = {}
+            for d, k, i in fields:
+                payloads.setdefault(d, {})[k] = flat[i]
+            out.append(QuantizedTensor(shape, dtype, quantizer, payloads, shape2d=shape2d))
+        elif spec[0] == "obj":
+            out.append(spec[1])
+        elif spec[0] == "none":
+            out.append(None)
+        else:
+            out.append(flat[spec[1]])
+    return out
+
+
 def _keep(t: torch.Tensor, direction: str) -> torch.Tensor:
     return t.with_directions(direction) if isinstance(t, QuantizedTensor) and t.has(direction) else t
 
@@ -89,7 +135,7 @@ class LinearFn(torch.autograd.Function):
             # A quantized weight parameter is kept as the object itself: under FSDP2 its payloads
             # are refilled by the backward all-gather (columnwise, or what the override needs).
             saved_w = weight
-        ctx.save_for_backward(saved_x if need_wgrad else None, saved_w if need_dgrad else None)
+        _save(ctx, saved_x if need_wgrad else None, saved_w if need_dgrad else None)
         ctx.sg, ctx.override, ctx.name = sg, override, name
         ctx.need = (need_dgrad, need_wgrad, bias is not None and bias.requires_grad)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
@@ -98,7 +144,7 @@ class LinearFn(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        saved_x, saved_w = ctx.saved_tensors
+        saved_x, saved_w = _load(ctx)
         need_dgrad, need_wgrad, need_bgrad = ctx.need
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None

@@ -3,5 +3,6 @@
 from dtq.parallel.comm import comm_stats
 from dtq.parallel.fsdp import HighPrecisionWeight, precompute_amax
 from dtq.parallel.master import FlatSlice, quantize_master_weights
+from dtq.parallel.offload import offload
 
-__all__ = ["comm_stats", "precompute_amax", "HighPrecisionWeight", "FlatSlice", "quantize_master_weights"]
+__all__ = ["comm_stats", "precompute_amax", "HighPrecisionWeight", "FlatSlice", "quantize_master_weights", "offload"]
