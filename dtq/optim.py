@@ -67,7 +67,29 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                     p.grad.zero_()
         self.inner.zero_grad(set_to_none=set_to_none)
 
+    @torch.no_grad()
+    def _init_state(self) -> None:
+        """Materialize the inner optimizer's lazily created state (one step at lr 0 on zero
+        gradients), so that a fresh optimizer's state_dict() has every entry dcp.load fills."""
+        if self.inner.state:
+            return
+        touched = []
+        for group in self.inner.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                    touched.append(p)
+        lrs = [g["lr"] for g in self.inner.param_groups]
+        for g in self.inner.param_groups:
+            g["lr"] = 0.0
+        self.inner.step()
+        for g, lr in zip(self.inner.param_groups, lrs):
+            g["lr"] = lr
+        for p in touched:
+            p.grad = None
+
     def state_dict(self) -> dict:
+        self._init_state()
         return {"inner": self.inner.state_dict(), "masters": [m.detach() for m in self.masters]}
 
     @torch.no_grad()

@@ -7,6 +7,7 @@ import weakref
 import torch
 
 from dtq.autocast import active_recipe
+from dtq.checkpoint.state_dict import SEP, check_weight, weight_entries, weight_meta
 from dtq.nn._linear_fn import DequantizeWeight, LinearFn, Slot
 from dtq.parallel._torch_private import in_backward, inside_checkpoint_forward
 from dtq.parallel.fsdp import HighPrecisionWeight
@@ -90,14 +91,53 @@ class QuantizedModule(torch.nn.Module):
             self.register_buffer(name, torch.zeros(length, dtype=torch.float32, device=device))
         return name
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    # -- state dicts: GEMM weights as codes (dtq.checkpoint) --------------------------------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for w in self.weight_names():
+            p = self._parameters.get(w)
+            if p is None:
+                continue
+            destination.pop(prefix + w, None)
+            for k, v in weight_entries(prefix + w, p).items():
+                destination[k] = v if keep_vars else v.detach()
+
+    def get_extra_state(self):
+        return {w: weight_meta(self._parameters[w]) for w in self.weight_names() if self._parameters.get(w) is not None}
+
+    def set_extra_state(self, state) -> None:
+        pass  # read (for checks) in _load_from_state_dict
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
         # Delayed-scaling histories are created on first use: accept them from a checkpoint.
         for key, value in state_dict.items():
             name = key[len(prefix):]
             if key.startswith(prefix) and name.startswith("amax_history_") and "." not in name:
                 if getattr(self, name, None) is None or getattr(self, name).shape != value.shape:
                     self.register_buffer(name, torch.zeros_like(value))
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        meta = state_dict.get(prefix + "_extra_state") or {}
+        errors, pairs, quantized = [], [], []
+        for w in self.weight_names():
+            p = self._parameters.get(w)
+            if p is None:
+                continue
+            found = check_weight(prefix + w, p, state_dict, meta.get(w), errors)
+            if found or any(k.startswith(prefix + w + SEP) for k in state_dict):
+                quantized.append(w)
+            pairs += found
+        if errors:  # nothing is copied unless every weight checks out
+            error_msgs.extend(errors)
+            return
+        with torch.no_grad():
+            for dst, src in pairs:
+                if dst.data_ptr() != src.data_ptr():
+                    dst.copy_(src)
+        before = len(missing_keys)
+        super()._load_from_state_dict({k: v for k, v in state_dict.items() if SEP not in k}, prefix, local_metadata,
+                                      strict, missing_keys, unexpected_keys, error_msgs)
+        done = {prefix + w for w in quantized}
+        missing_keys[before:] = [k for k in missing_keys[before:] if k not in done]
 
     def __getstate__(self):
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__

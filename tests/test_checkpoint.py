@@ -1,0 +1,192 @@
+"""Checkpoints hold codes, not values (DESIGN 5.6): torch.distributed.checkpoint saves payloads,
+loads them bit for bit (also resharded), resumes training bitwise, and refuses mismatches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import dtq
+from dtq.testing import spawn
+
+H, F, T = 128, 256, 32
+
+
+def _recipe():
+    return dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling())
+
+
+def _model(seed, quantized_params, recipe=None):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(dtq.nn.LayerNormMLP(H, F, activation="swiglu", name="mlp"), dtq.nn.Linear(H, H, name="out"))
+    if quantized_params:
+        dtq.convert(m, recipe=recipe or _recipe(), quantized_params=True)
+    return m
+
+
+def _bits(t):
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    """Full (unsharded) parameters of a and b are bitwise equal, payload by payload."""
+    from torch.distributed.tensor import DTensor
+
+    def full(p):
+        if isinstance(p, DTensor):
+            loc = p._local_tensor
+            if isinstance(loc, dtq.QuantizedTensor):
+                return loc  # compared shard-wise by the caller's world
+            p = p.full_tensor()
+        return p.__dtq_unwrap__() if hasattr(p, "__dtq_unwrap__") else p
+
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        x, y = full(p), full(q)
+        if isinstance(x, dtq.QuantizedTensor):
+            assert x.directions == y.directions, n
+            for d in x.directions:
+                for k, v in x.payload(d).items():
+                    assert torch.equal(_bits(v), _bits(y.payload(d)[k])), (n, d, k)
+        else:
+            assert torch.equal(x.detach(), y.detach()), n
+
+
+@pytest.mark.parametrize("quantized_params", [False, True])
+def test_single_process_round_trip(tmp_path, quantized_params):
+    a = _model(0, quantized_params)
+    sd = a.state_dict()
+    if quantized_params:  # codes, not values: payload entries, and no dequantized weight
+        assert "out.weight" not in {k.replace("1.", "out.") for k in sd} and any("._payload.rowwise.data" in k for k in sd)
+    dcp.save(sd, checkpoint_id=str(tmp_path / "dcp"))
+    b = _model(1, quantized_params)
+    sd_b = b.state_dict()
+    dcp.load(sd_b, checkpoint_id=str(tmp_path / "dcp"))
+    b.load_state_dict(sd_b)
+    _same_weights(a, b)
+    torch.save(a.state_dict(), tmp_path / "sd.pt")  # also through torch.save(weights_only=True)
+    c = _model(2, quantized_params)
+    c.load_state_dict(torch.load(tmp_path / "sd.pt", weights_only=True))
+    _same_weights(a, c)
+
+
+def test_mismatched_checkpoints_raise_and_leave_the_model_untouched(tmp_path):
+    src = _model(0, True).state_dict()
+    for name, mutate, match in [
+        ("wrong format", None, r"holds it quantized as HybridQuantizer.*the model as MXFP8Quantizer"),
+        ("missing key", lambda sd: sd.pop("1.weight._payload.rowwise.scale"), r"missing from the checkpoint"),
+        ("shape mismatch", lambda sd: sd.__setitem__("1.weight._payload.rowwise.data",
+                                                     sd["1.weight._payload.rowwise.data"][:64]), r"the checkpoint has \[64, 128\]"),
+    ]:
+        sd = dict(src)
+        target = _model(5, True, dtq.MXFP8BlockScaling() if name == "wrong format" else None)
+        if mutate is not None:
+            mutate(sd)
+        before = {n: (p.dequantize() if isinstance(p, dtq.QuantizedTensor) else p.detach()).clone()
+                  for n, p in target.named_parameters()}
+        with pytest.raises(RuntimeError, match=match):
+            target.load_state_dict(sd)
+        for n, p in target.named_parameters():
+            if n.startswith("1."):  # the module with the bad entry is untouched
+                now = p.dequantize() if isinstance(p, dtq.QuantizedTensor) else p.detach()
+                assert torch.equal(now, before[n]), (name, n)
+
+
+def _shard(m, world):
+    mesh = init_device_mesh("cpu", (world,))
+    for x in m:
+        fully_shard(x, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m
+
+
+def _save_sharded(rank, world, path, quantized_params):
+    m = _shard(_model(0, quantized_params), world)
+    with dtq.autocast(_recipe()):
+        m(torch.randn(T, H)).sum().backward()  # a gathered, used model saves the same
+    dcp.save(m.state_dict(), checkpoint_id=path)
+
+
+def _load_sharded(rank, world, path, quantized_params):
+    m = _shard(_model(1, quantized_params), world)
+    sd = m.state_dict()
+    dcp.load(sd, checkpoint_id=path)
+    m.load_state_dict(sd)
+    ref = _model(0, quantized_params)
+    from torch.distributed.tensor import DTensor
+    for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
+        loc = p._local_tensor if isinstance(p, DTensor) else p
+        if isinstance(loc, dtq.QuantizedTensor):
+            rows = -(-q.shape[0] // world)
+            shard = q[rank * rows:(rank + 1) * rows]
+            for d in loc.directions:
+                for k, v in loc.payload(d).items():
+                    assert torch.equal(_bits(v), _bits(shard.payload(d)[k])), (n, d, k)
+        else:
+            full = p.full_tensor()
+            full = full.__dtq_unwrap__() if hasattr(full, "__dtq_unwrap__") else full
+            q = q.__dtq_unwrap__() if hasattr(q, "__dtq_unwrap__") else q
+            assert torch.equal(full, q.detach()), n
+
+
+@pytest.mark.parametrize("quantized_params", [False, True])
+def test_resharded_loads_4_to_2_to_1(tmp_path, quantized_params):
+    path = str(tmp_path / "ckpt")
+    spawn(_save_sharded, 4, path, quantized_params)
+    spawn(_load_sharded, 2, path, quantized_params)
+    one = _model(1, quantized_params)
+    sd = one.state_dict()
+    dcp.load(sd, checkpoint_id=path)
+    one.load_state_dict(sd)
+    _same_weights(one, _model(0, quantized_params))
+
+
+def _train_resume(rank, world, path):
+    recipe = _recipe()
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(world * T, H, generator=g) for _ in range(10)]
+    local = slice(rank * T, (rank + 1) * T)
+
+    def fresh():
+        m = _shard(_model(0, True), world)
+        return m, dtq.optim.MasterWeightOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-3)
+
+    def steps(m, opt, rng):
+        for i in rng:
+            with dtq.autocast(recipe):
+                loss = m(xs[i][local]).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return loss.detach()
+
+    m, opt = fresh()
+    torch.manual_seed(7)
+    final = steps(m, opt, range(10))
+    full_sd = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in m.state_dict().items()}
+
+    m, opt = fresh()
+    torch.manual_seed(7)
+    steps(m, opt, range(5))
+    rng_state = torch.get_rng_state()
+    dcp.save({"model": m.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)
+    m, opt = fresh()  # a new process would start here
+    state = {"model": m.state_dict(), "optim": opt.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    m.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+    torch.set_rng_state(rng_state)  # stochastic rounding draws from torch's RNG
+    resumed = steps(m, opt, range(5, 10))
+    assert torch.equal(resumed, final)
+    for k, v in m.state_dict().items():
+        if isinstance(v, torch.Tensor):
+            a = v._local_tensor if hasattr(v, "_local_tensor") else v
+            b = full_sd[k]._local_tensor if hasattr(full_sd[k], "_local_tensor") else full_sd[k]
+            assert torch.equal(_bits(a), _bits(b)), k
+
+
+def test_training_resumed_at_step_5_ends_bitwise(tmp_path):
+    spawn(_train_resume, 2, str(tmp_path / "resume"))
