@@ -193,3 +193,60 @@ def _train_resume(rank, world, path):
 
 def test_training_resumed_at_step_5_ends_bitwise(tmp_path):
     spawn(_train_resume, 2, str(tmp_path / "resume"))
+
+
+# -- high-precision bridges --------------------------------------------------------------------
+
+
+def _check_hp_bridges(rank, world, path):
+    from safetensors.torch import load_file
+
+    single = _model(0, True)
+    m = _shard(_model(0, True), world)
+    opt = dtq.optim.MasterWeightOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2)
+    with dtq.autocast(_recipe()):
+        m(torch.randn(T, H)).square().mean().backward()
+    opt.step()  # masters move away from the dequantized values
+    dtq.checkpoint.export_safetensors(m, path, dtype=torch.float32, optimizer=opt)
+    dist.barrier()
+    exported = load_file(path)
+    masters = {n: mm.full_tensor() for (n, p), mm in zip(
+        [(n, p) for n, p in m.named_parameters() if isinstance(p._local_tensor, dtq.QuantizedTensor)], opt.masters)}
+    for n, p in m.named_parameters():
+        if n in masters:
+            assert torch.equal(exported[n], masters[n]), n
+        else:
+            assert torch.equal(exported[n], p.full_tensor().detach()), n
+    # without the optimizer: dequantized values of the (gathered) payloads
+    deq = dtq.checkpoint.high_precision_state_dict(single, dtype=torch.float32)
+    for n, p in single.named_parameters():
+        if isinstance(p, dtq.QuantizedTensor):
+            assert torch.equal(deq[n], p.dequantize(torch.float32)), n
+    # loading full high-precision values into a sharded quantized model: shard = slice of whole
+    fresh = _shard(_model(3, True), world)
+    dtq.checkpoint.load_high_precision(fresh, exported)
+    for (n, p), (_, q) in zip(fresh.named_parameters(), single.named_parameters()):
+        loc = p._local_tensor
+        if isinstance(loc, dtq.QuantizedTensor):
+            whole = q.quantizer.quantize(exported[n])
+            rows = -(-q.shape[0] // world)
+            shard = whole[rank * rows:(rank + 1) * rows]
+            for d in loc.directions:
+                for k, v in loc.payload(d).items():
+                    assert torch.equal(_bits(v), _bits(shard.payload(d)[k])), (n, d, k)
+        else:
+            assert torch.equal(p.full_tensor(), exported[n]), n
+
+
+def test_safetensors_export_and_high_precision_load_2_ranks(tmp_path):
+    spawn(_check_hp_bridges, 2, str(tmp_path / "model.safetensors"))
+
+
+def test_load_high_precision_errors():
+    m = _model(0, True)
+    sd = dtq.checkpoint.high_precision_state_dict(m, torch.float32)
+    with pytest.raises(KeyError, match=r"missing \['1.bias'\]"):
+        dtq.checkpoint.load_high_precision(m, {k: v for k, v in sd.items() if k != "1.bias"})
+    sd["1.weight"] = sd["1.weight"][:64]
+    with pytest.raises(ValueError, match=r"1.weight has shape \[64, 128\] in the state dict and \[128, 128\]"):
+        dtq.checkpoint.load_high_precision(m, sd)

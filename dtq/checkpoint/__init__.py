@@ -1,5 +1,8 @@
-"""Checkpointing: state dicts that hold payloads (codes and scales), for torch.distributed.checkpoint."""
+"""Checkpointing: state dicts that hold payloads (codes and scales), for torch.distributed.checkpoint,
+and the bridges to high precision (safetensors export, loading plain state dicts)."""
 
+from dtq.checkpoint.high_precision import export_safetensors, high_precision_state_dict, load_high_precision
 from dtq.checkpoint.state_dict import SEP, check_weight, weight_entries, weight_meta
 
-__all__ = ["SEP", "check_weight", "weight_entries", "weight_meta"]
+__all__ = ["SEP", "check_weight", "weight_entries", "weight_meta", "export_safetensors", "high_precision_state_dict",
+           "load_high_precision"]
