@@ -20,9 +20,15 @@ def _recipe():
     return dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling())
 
 
+def _dev():
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
 def _model(seed, quantized_params, recipe=None):
     torch.manual_seed(seed)
-    m = torch.nn.Sequential(dtq.nn.LayerNormMLP(H, F, activation="swiglu", name="mlp"), dtq.nn.Linear(H, H, name="out"))
+    m = torch.nn.Sequential(dtq.nn.LayerNormMLP(H, F, activation="swiglu", name="mlp"),
+                            dtq.nn.Linear(H, H, name="out")).to(_dev())
     if quantized_params:
         dtq.convert(m, recipe=recipe or _recipe(), quantized_params=True)
     return m
@@ -96,7 +102,7 @@ def test_mismatched_checkpoints_raise_and_leave_the_model_untouched(tmp_path):
 
 
 def _shard(m, world):
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(_dev().type, (world,))
     for x in m:
         fully_shard(x, mesh=mesh)
     fully_shard(m, mesh=mesh)
@@ -106,7 +112,7 @@ def _shard(m, world):
 def _save_sharded(rank, world, path, quantized_params):
     m = _shard(_model(0, quantized_params), world)
     with dtq.autocast(_recipe()):
-        m(torch.randn(T, H)).sum().backward()  # a gathered, used model saves the same
+        m(torch.randn(T, H, device=_dev())).sum().backward()  # a gathered, used model saves the same
     if quantized_params:  # both save flavours: asynchronous here, synchronous for the other mode
         dcp.async_save(m.state_dict(), checkpoint_id=path).result()
     else:
@@ -150,7 +156,7 @@ def test_resharded_loads_4_to_2_to_1(tmp_path, quantized_params):
 def _train_resume(rank, world, path):
     recipe = _recipe()
     g = torch.Generator().manual_seed(3)
-    xs = [torch.randn(world * T, H, generator=g) for _ in range(10)]
+    xs = [torch.randn(world * T, H, generator=g).to(_dev()) for _ in range(10)]
     local = slice(rank * T, (rank + 1) * T)
 
     def fresh():
@@ -205,7 +211,7 @@ def _check_hp_bridges(rank, world, path):
     m = _shard(_model(0, True), world)
     opt = dtq.optim.MasterWeightOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2)
     with dtq.autocast(_recipe()):
-        m(torch.randn(T, H)).square().mean().backward()
+        m(torch.randn(T, H, device=_dev())).square().mean().backward()
     opt.step()  # masters move away from the dequantized values
     dtq.checkpoint.export_safetensors(m, path, dtype=torch.float32, optimizer=opt)
     dist.barrier()
@@ -214,28 +220,28 @@ def _check_hp_bridges(rank, world, path):
         [(n, p) for n, p in m.named_parameters() if isinstance(p._local_tensor, dtq.QuantizedTensor)], opt.masters)}
     for n, p in m.named_parameters():
         if n in masters:
-            assert torch.equal(exported[n], masters[n]), n
+            assert torch.equal(exported[n], masters[n].cpu()), n
         else:
-            assert torch.equal(exported[n], p.full_tensor().detach()), n
+            assert torch.equal(exported[n], p.full_tensor().detach().cpu()), n
     # without the optimizer: dequantized values of the (gathered) payloads
     deq = dtq.checkpoint.high_precision_state_dict(single, dtype=torch.float32)
     for n, p in single.named_parameters():
         if isinstance(p, dtq.QuantizedTensor):
-            assert torch.equal(deq[n], p.dequantize(torch.float32)), n
+            assert torch.equal(deq[n], p.dequantize(torch.float32).cpu()), n
     # loading full high-precision values into a sharded quantized model: shard = slice of whole
     fresh = _shard(_model(3, True), world)
     dtq.checkpoint.load_high_precision(fresh, exported)
     for (n, p), (_, q) in zip(fresh.named_parameters(), single.named_parameters()):
         loc = p._local_tensor
         if isinstance(loc, dtq.QuantizedTensor):
-            whole = q.quantizer.quantize(exported[n])
+            whole = q.quantizer.quantize(exported[n].to(_dev()))
             rows = -(-q.shape[0] // world)
             shard = whole[rank * rows:(rank + 1) * rows]
             for d in loc.directions:
                 for k, v in loc.payload(d).items():
                     assert torch.equal(_bits(v), _bits(shard.payload(d)[k])), (n, d, k)
         else:
-            assert torch.equal(p.full_tensor(), exported[n]), n
+            assert torch.equal(p.full_tensor().cpu(), exported[n]), n
 
 
 def test_safetensors_export_and_high_precision_load_2_ranks(tmp_path):
