@@ -180,14 +180,17 @@ def _train_resume(rank, world, path):
     m, opt = fresh()
     torch.manual_seed(7)
     steps(m, opt, range(5))
-    rng_state = torch.get_rng_state()
+    # stochastic rounding draws its seeds from the generator of the input's device
+    rng_state = (torch.get_rng_state(), torch.cuda.get_rng_state() if _dev().type == "cuda" else None)
     dcp.save({"model": m.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)
     m, opt = fresh()  # a new process would start here
     state = {"model": m.state_dict(), "optim": opt.state_dict()}
     dcp.load(state, checkpoint_id=path)
     m.load_state_dict(state["model"])
     opt.load_state_dict(state["optim"])
-    torch.set_rng_state(rng_state)  # stochastic rounding draws from torch's RNG
+    torch.set_rng_state(rng_state[0])
+    if rng_state[1] is not None:
+        torch.cuda.set_rng_state(rng_state[1])
     resumed = steps(m, opt, range(5, 10))
     assert torch.equal(resumed, final)
     for k, v in m.state_dict().items():
