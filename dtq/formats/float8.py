@@ -14,7 +14,7 @@ import dataclasses
 import torch
 
 from dtq import _bits
-from dtq.formats.base import Codec, Quantizer, register
+from dtq.formats.base import Payload, Codec, Quantizer, register
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,32 +31,32 @@ class Float8Codec(Codec):
     name = "fp8"
 
     @classmethod
-    def fields(cls, q, direction):
+    def fields(cls, q: Float8Quantizer, direction: str) -> dict[str, int | None]:
         return {"data": 1, "scale_inv": None}
 
     @classmethod
-    def needs_amax(cls, q, direction):
+    def needs_amax(cls, q: Float8Quantizer, direction: str) -> bool:
         return True
 
     @classmethod
-    def quantize(cls, q, x, direction, amax, seed):
+    def quantize(cls, q: Float8Quantizer, x: torch.Tensor, direction: str, amax: torch.Tensor | None, seed: torch.Tensor | None) -> Payload:
         scale = _bits.per_tensor_scale(amax, _bits.FP8_MAX[q.dtype], q.pow2_scales)
         data = _bits.cast_fp8(x.float() * scale, q.dtype)
         return {"data": data, "scale_inv": torch.reciprocal(scale)}
 
     @classmethod
-    def dequantize(cls, q, payload, direction, shape):
+    def dequantize(cls, q: Float8Quantizer, payload: Payload, direction: str, shape: tuple[int, int]) -> torch.Tensor:
         return payload["data"].to(torch.float32) * payload["scale_inv"]
 
     @classmethod
-    def dequantize_factored(cls, q, payload, direction, shape):
+    def dequantize_factored(cls, q: Float8Quantizer, payload: Payload, direction: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         return payload["data"].to(torch.float32), payload["scale_inv"]
 
     @classmethod
-    def empty(cls, q, shape, direction, device, dtype):
+    def empty(cls, q: Float8Quantizer, shape: tuple[int, int], direction: str, device: torch.device, dtype: torch.dtype) -> Payload:
         return {"data": torch.zeros(shape, dtype=q.dtype, device=device),
                 "scale_inv": torch.ones((), dtype=torch.float32, device=device)}
 
     @classmethod
-    def identical_directions(cls, q):
+    def identical_directions(cls, q: Float8Quantizer) -> bool:
         return True

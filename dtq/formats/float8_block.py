@@ -17,7 +17,7 @@ import dataclasses
 import torch
 
 from dtq import _bits
-from dtq.formats.base import ROWWISE, Codec, Quantizer, register
+from dtq.formats.base import Payload, ROWWISE, Codec, Quantizer, register
 
 _BLOCKS = ((1, 128), (128, 128))
 
@@ -45,32 +45,32 @@ class Float8BlockCodec(Codec):
     name = "fp8_block"
 
     @classmethod
-    def tile(cls, q, direction):
+    def tile(cls, q: Float8BlockQuantizer, direction: str) -> tuple[int, int] | None:
         return q.tile(direction)
 
     @classmethod
-    def fields(cls, q, direction):
+    def fields(cls, q: Float8BlockQuantizer, direction: str) -> dict[str, int | None]:
         return {"data": 1, "scale_inv": q.tile(direction)[0]}
 
     @classmethod
-    def quantize(cls, q, x, direction, amax, seed):
+    def quantize(cls, q: Float8BlockQuantizer, x: torch.Tensor, direction: str, amax: torch.Tensor | None, seed: torch.Tensor | None) -> Payload:
         tile = q.tile(direction)
         scale = _bits.per_tensor_scale(_bits.block_amax(x.float(), tile), _bits.FP8_MAX[q.dtype], q.pow2_scales)
         data = _bits.cast_fp8(x.float() * _bits.expand_blocks(scale, tile, tuple(x.shape)), q.dtype)
         return {"data": data, "scale_inv": torch.reciprocal(scale)}
 
     @classmethod
-    def dequantize(cls, q, payload, direction, shape):
+    def dequantize(cls, q: Float8BlockQuantizer, payload: Payload, direction: str, shape: tuple[int, int]) -> torch.Tensor:
         s = _bits.expand_blocks(payload["scale_inv"], q.tile(direction), shape)
         return payload["data"].to(torch.float32) * s
 
     @classmethod
-    def empty(cls, q, shape, direction, device, dtype):
+    def empty(cls, q: Float8BlockQuantizer, shape: tuple[int, int], direction: str, device: torch.device, dtype: torch.dtype) -> Payload:
         br, bc = q.tile(direction)
         nblk = (-(-shape[0] // br), -(-shape[1] // bc))
         return {"data": torch.zeros(shape, dtype=q.dtype, device=device),
                 "scale_inv": torch.ones(nblk, dtype=torch.float32, device=device)}
 
     @classmethod
-    def identical_directions(cls, q):
+    def identical_directions(cls, q: Float8BlockQuantizer) -> bool:
         return q.block[0] == q.block[1]

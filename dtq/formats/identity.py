@@ -10,7 +10,7 @@ import dataclasses
 import torch
 
 from dtq import _bits
-from dtq.formats.base import Codec, Quantizer, register
+from dtq.formats.base import Payload, Codec, Quantizer, register
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,27 +31,27 @@ class IdentityCodec(Codec):
     name = "identity"
 
     @classmethod
-    def fields(cls, q, direction):
+    def fields(cls, q: IdentityQuantizer, direction: str) -> dict[str, int | None]:
         return {"data": 1}
 
     @classmethod
-    def quantize(cls, q, x, direction, amax, seed):
+    def quantize(cls, q: IdentityQuantizer, x: torch.Tensor, direction: str, amax: torch.Tensor | None, seed: torch.Tensor | None) -> Payload:
         if q.dtype is None or q.dtype == x.dtype:
             return {"data": x.clone()}  # bit-exact passthrough
         return {"data": _bits.canonical_nan(x.to(q.dtype))}
 
     @classmethod
-    def dequantize(cls, q, payload, direction, shape):
+    def dequantize(cls, q: IdentityQuantizer, payload: Payload, direction: str, shape: tuple[int, int]) -> torch.Tensor:
         return payload["data"].to(torch.float32, copy=True)  # never hand out the stored data itself
 
     @classmethod
-    def empty(cls, q, shape, direction, device, dtype):
+    def empty(cls, q: IdentityQuantizer, shape: tuple[int, int], direction: str, device: torch.device, dtype: torch.dtype) -> Payload:
         return {"data": torch.zeros(shape, dtype=q.dtype or dtype, device=device)}
 
     @classmethod
-    def identical_directions(cls, q):
+    def identical_directions(cls, q: IdentityQuantizer) -> bool:
         return True
 
     @classmethod
-    def lossless(cls, q, dtype):
+    def lossless(cls, q: IdentityQuantizer, dtype: torch.dtype) -> bool:
         return q.dtype is None or q.dtype == dtype

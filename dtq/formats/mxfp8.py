@@ -20,7 +20,7 @@ import dataclasses
 import torch
 
 from dtq import _bits
-from dtq.formats.base import ROWWISE, Codec, Quantizer, register, shape_error
+from dtq.formats.base import Payload, ROWWISE, Codec, Quantizer, register, shape_error
 
 BLOCK = 32
 
@@ -69,22 +69,22 @@ class MXFP8Codec(Codec):
     name = "mxfp8"
 
     @classmethod
-    def tile(cls, q, direction):
+    def tile(cls, q: MXFP8Quantizer, direction: str) -> tuple[int, int] | None:
         return _tile(direction)
 
     @classmethod
-    def fields(cls, q, direction):
+    def fields(cls, q: MXFP8Quantizer, direction: str) -> dict[str, int | None]:
         return {"data": 1, "scale": _tile(direction)[0]}
 
     @classmethod
-    def check_shape(cls, q, shape, direction):
+    def check_shape(cls, q: MXFP8Quantizer, shape: tuple[int, int], direction: str) -> None:
         dim, size = (1, shape[1]) if direction == ROWWISE else (0, shape[0])
         if size % BLOCK:
             raise shape_error(q, shape, direction, f"{'K (last dim)' if dim else 'M (leading dims)'} = {size} "
                               f"must be a multiple of the MX block size {BLOCK}")
 
     @classmethod
-    def quantize(cls, q, x, direction, amax, seed):
+    def quantize(cls, q: MXFP8Quantizer, x: torch.Tensor, direction: str, amax: torch.Tensor | None, seed: torch.Tensor | None) -> Payload:
         xf = x.float()
         tile = _tile(direction)
         biased = e8m0_exponent(q, _bits.block_amax(xf, tile))
@@ -96,12 +96,12 @@ class MXFP8Codec(Codec):
         return {"data": data, "scale": biased}
 
     @classmethod
-    def dequantize(cls, q, payload, direction, shape):
+    def dequantize(cls, q: MXFP8Quantizer, payload: Payload, direction: str, shape: tuple[int, int]) -> torch.Tensor:
         s = _bits.expand_blocks(e8m0_value(payload["scale"]), _tile(direction), shape)
         return payload["data"].to(torch.float32) * s
 
     @classmethod
-    def empty(cls, q, shape, direction, device, dtype):
+    def empty(cls, q: MXFP8Quantizer, shape: tuple[int, int], direction: str, device: torch.device, dtype: torch.dtype) -> Payload:
         br, bc = _tile(direction)
         return {"data": torch.zeros(shape, dtype=q.dtype, device=device),
                 "scale": torch.zeros((shape[0] // br, shape[1] // bc), dtype=torch.uint8, device=device)}

@@ -28,7 +28,7 @@ import dataclasses
 import torch
 
 from dtq import _bits
-from dtq.formats.base import COLUMNWISE, ROWWISE, Codec, Quantizer, register, shape_error
+from dtq.formats.base import Payload, COLUMNWISE, ROWWISE, Codec, Quantizer, register, shape_error
 
 BLOCK = 16
 _GLOBAL = 448.0 * 6.0
@@ -68,15 +68,15 @@ class NVFP4Codec(Codec):
     name = "nvfp4"
 
     @classmethod
-    def tile(cls, q, direction):
+    def tile(cls, q: NVFP4Quantizer, direction: str) -> tuple[int, int] | None:
         return q.tile(direction)
 
     @classmethod
-    def fields(cls, q, direction):
+    def fields(cls, q: NVFP4Quantizer, direction: str) -> dict[str, int | None]:
         return {"data": 1, "scale": q.tile(direction)[0], "amax": None}
 
     @classmethod
-    def check_shape(cls, q, shape, direction):
+    def check_shape(cls, q: NVFP4Quantizer, shape: tuple[int, int], direction: str) -> None:
         m, k = shape
         if k % BLOCK:
             raise shape_error(q, shape, direction, f"K (last dim) = {k} must be a multiple of {BLOCK}")
@@ -85,11 +85,11 @@ class NVFP4Codec(Codec):
             raise shape_error(q, shape, direction, f"M (leading dims) = {m} must be a multiple of {BLOCK} for {why}")
 
     @classmethod
-    def needs_amax(cls, q, direction):
+    def needs_amax(cls, q: NVFP4Quantizer, direction: str) -> bool:
         return True
 
     @classmethod
-    def local_amax(cls, q, x, direction):
+    def local_amax(cls, q: NVFP4Quantizer, x: torch.Tensor, direction: str) -> torch.Tensor:
         if x.numel() == 0:
             return torch.zeros((), device=x.device)
         xf = x.float()
@@ -98,11 +98,11 @@ class NVFP4Codec(Codec):
         return xf.abs().amax()
 
     @classmethod
-    def uses_rng(cls, q, direction):
+    def uses_rng(cls, q: NVFP4Quantizer, direction: str) -> bool:
         return q.stochastic_rounding
 
     @classmethod
-    def quantize(cls, q, x, direction, amax, seed):
+    def quantize(cls, q: NVFP4Quantizer, x: torch.Tensor, direction: str, amax: torch.Tensor | None, seed: torch.Tensor | None) -> Payload:
         xf = x.float()
         if q.hadamard(direction):
             xf = _bits.hadamard_rows(xf, q.hadamard_seed)
@@ -124,12 +124,12 @@ class NVFP4Codec(Codec):
         return {"data": _bits.pack_nibbles(codes), "scale": s_b, "amax": _bits.canonical_nan(amax)}
 
     @classmethod
-    def dequantize(cls, q, payload, direction, shape):
+    def dequantize(cls, q: NVFP4Quantizer, payload: Payload, direction: str, shape: tuple[int, int]) -> torch.Tensor:
         out = cls._block_values(q, payload, direction, shape) / global_scale(payload["amax"])
         return _bits.hadamard_rows(out, q.hadamard_seed, inverse=True) if q.hadamard(direction) else out
 
     @classmethod
-    def dequantize_factored(cls, q, payload, direction, shape):
+    def dequantize_factored(cls, q: NVFP4Quantizer, payload: Payload, direction: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         vals = cls._block_values(q, payload, direction, shape)
         if q.hadamard(direction):
             vals = _bits.hadamard_rows(vals, q.hadamard_seed, inverse=True)
@@ -141,16 +141,16 @@ class NVFP4Codec(Codec):
         return vals * _bits.expand_blocks(payload["scale"].to(torch.float32), q.tile(direction), shape)
 
     @classmethod
-    def empty(cls, q, shape, direction, device, dtype):
+    def empty(cls, q: NVFP4Quantizer, shape: tuple[int, int], direction: str, device: torch.device, dtype: torch.dtype) -> Payload:
         br, bc = q.tile(direction)
         return {"data": torch.zeros((shape[0], shape[1] // 2), dtype=torch.uint8, device=device),
                 "scale": torch.zeros((shape[0] // br, shape[1] // bc), dtype=torch.float8_e4m3fn, device=device),
                 "amax": torch.zeros((), dtype=torch.float32, device=device)}
 
     @classmethod
-    def amax_space(cls, q, direction):
+    def amax_space(cls, q: NVFP4Quantizer, direction: str) -> str:
         return "hadamard(x)" if q.hadamard(direction) else "x"
 
     @classmethod
-    def identical_directions(cls, q):
+    def identical_directions(cls, q: NVFP4Quantizer) -> bool:
         return q.block == (16, 16)
