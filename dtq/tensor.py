@@ -296,8 +296,8 @@ def _zero_payloads(t: QuantizedTensor, shape, device, dtype) -> dict[str, Payloa
         sub = t._quantizer.for_direction(d)
         codec = codec_for(sub)
         codec.check_shape(sub, shape2, d)
-        twin = next((h for h in out if t._quantizer.for_direction(h) == sub and codec.identical_directions(sub)), None)
-        out[d] = dict(out[twin]) if twin is not None else codec.empty(sub, shape2, d, device, dtype)
+        twin = t._quantizer.aliases(t.directions).get(d)
+        out[d] = dict(out[twin]) if twin in out else codec.empty(sub, shape2, d, device, dtype)
     return out
 
 

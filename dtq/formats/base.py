@@ -174,6 +174,18 @@ class Quantizer:
         sub = self.for_direction(direction)
         return max((r for r in codec_for(sub).fields(sub, direction).values() if r), default=1)
 
+    def aliases(self, directions: tuple[str, ...]) -> dict[str, str]:
+        """Of ``directions``, those whose payload is bitwise an earlier one's (per-tensor FP8,
+        square tiles, passthrough), mapped to it: only the others need moving or storing."""
+        out: dict[str, str] = {}
+        for i, d in enumerate(directions):
+            sub = self.for_direction(d)
+            for src in directions[:i]:
+                if src not in out and self.for_direction(src) == sub and codec_for(sub).identical_directions(sub):
+                    out[d] = src
+                    break
+        return out
+
     def local_amax(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = True) -> dict[str, torch.Tensor]:
         """The tensor-wide amax each requested direction needs, computed on this (local) tensor.
         Reduce the values with MAX across ranks and pass them to ``quantize(amax=...)`` so that
@@ -260,8 +272,8 @@ def quantize_payloads(q: Quantizer, x: torch.Tensor, directions: tuple[str, ...]
     out = {}
     for d, sub in subs.items():
         codec = codec_for(sub)
-        twin = next((h for h in out if subs[h] == sub and codec.identical_directions(sub)), None)
-        if twin is not None:  # bitwise the same payload: share the tensors instead of a second copy
+        twin = q.aliases(tuple(subs)).get(d)
+        if twin is not None and twin in out:  # bitwise the same payload: share the tensors, not a copy
             out[d] = dict(out[twin])
             continue
         a = None

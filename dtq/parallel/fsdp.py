@@ -96,19 +96,6 @@ def _check_alignment(ctx: GatherContext, quantizer: Quantizer, dirs, full_shape,
                 f"multiple of {need}, or a format with smaller {d} blocks for this parameter")
 
 
-def _aliases(quantizer: Quantizer, dirs) -> dict:
-    """Directions whose payload is bitwise another gathered one's (per-tensor FP8, square tiles,
-    passthrough): those move once."""
-    out = {}
-    for i, d in enumerate(dirs):
-        sub = quantizer.for_direction(d)
-        for src in dirs[:i]:
-            if src not in out and quantizer.for_direction(src) == sub and codec_for(sub).identical_directions(sub):
-                out[d] = src
-                break
-    return out
-
-
 def _split(quantizer: Quantizer, payloads: dict, dirs) -> tuple[list[torch.Tensor], tuple, dict]:
     inputs, layout, shared = [], [], {}
     for d in dirs:
@@ -197,7 +184,7 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, rank):
-    aliases = _aliases(quantizer, dirs)
+    aliases = quantizer.aliases(tuple(dirs))
     moved = tuple(d for d in dirs if d not in aliases)
     inputs, layout, shared = _split(quantizer, payloads, moved)
     fields = inputs
