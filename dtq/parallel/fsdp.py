@@ -183,7 +183,7 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
-def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, rank):
+def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, rank, fallback: bool = False):
     aliases = quantizer.aliases(tuple(dirs))
     moved = tuple(d for d in dirs if d not in aliases)
     inputs, layout, shared = _split(quantizer, payloads, moved)
@@ -206,7 +206,7 @@ def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, ra
         inputs = [_pack(padded, shard_shape)]
         packed = (world, specs)
     resize_gather_buffers(ctx, inputs, world)
-    if isinstance(quantizer, IdentityQuantizer):
+    if fallback:
         dtype = payloads[dirs[0]]["data"].dtype
         comm.record_fallback(dtype, sum(t.numel() * t.element_size() for t in inputs) * world, ctx.param_name,
                              "no dtq recipe is active for its module (run the step under dtq.autocast) or the "
@@ -295,7 +295,8 @@ class HighPrecisionWeight(torch.Tensor):
         quantizer = module.weight_quantizer(ctx.leaf_name, recipe) if recipe is not None else None
         hp_backward = (recipe is not None and recipe.backward_override == "high_precision"
                        and ctx.training_state == "PRE_BACKWARD")
-        if quantizer is None or hp_backward:
+        fallback = quantizer is None or hp_backward
+        if fallback:
             quantizer = IdentityQuantizer()
             dirs = (ROWWISE,)
             payloads = quantize_payloads(quantizer, shard, dirs)
@@ -304,7 +305,7 @@ class HighPrecisionWeight(torch.Tensor):
             _check_alignment(ctx, quantizer, dirs, outer_size, world)
             amax = _global_amax(self, quantizer, shard, mesh, ctx.param_name, dirs)
             payloads = quantize_payloads(quantizer, shard, dirs, amax=amax)
-        return _finish(ctx, quantizer, dirs, payloads, outer_size, world, mesh.get_local_rank())
+        return _finish(ctx, quantizer, dirs, payloads, outer_size, world, mesh.get_local_rank(), fallback)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         return post_all_gather(all_gather_outputs, metadata, param_dtype, out)
