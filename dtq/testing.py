@@ -48,12 +48,25 @@ def _worker(fn, rank, world_size, port, backend, timeout_s, args, errors):
             dist.destroy_process_group()
 
 
+_PORT_TAKEN = ("Address already in use", "EADDRINUSE", "address already in use")
+
+
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,
           timeout: float = 300.0) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes with
     ``torch.distributed`` initialised on a free local port. ``fn`` and ``args`` must be
     picklable (a module-level function). The first failing rank's exception is re-raised here
-    with its rank and traceback; a run longer than ``timeout`` seconds is killed and reported."""
+    with its rank and traceback; a run longer than ``timeout`` seconds is killed and reported.
+    If another process took the chosen port before the ranks bound it, it retries on a new one."""
+    for attempt in range(3):
+        try:
+            return _spawn_once(fn, world_size, args, backend, timeout)
+        except RuntimeError as e:
+            if attempt == 2 or not any(m in str(e) for m in _PORT_TAKEN):
+                raise
+
+
+def _spawn_once(fn: Callable[..., Any], world_size: int, args: tuple, backend: str | None, timeout: float) -> None:
     backend = backend or default_backend(world_size)
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise RuntimeError(f"spawn(backend='nccl', world_size={world_size}) needs {world_size} GPUs, "
