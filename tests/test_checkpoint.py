@@ -113,10 +113,7 @@ def _save_sharded(rank, world, path, quantized_params):
     m = _shard(_model(0, quantized_params), world)
     with dtq.autocast(_recipe()):
         m(torch.randn(T, H, device=_dev())).sum().backward()  # a gathered, used model saves the same
-    if quantized_params:  # both save flavours: asynchronous here, synchronous for the other mode
-        dcp.async_save(m.state_dict(), checkpoint_id=path).result()
-    else:
-        dcp.save(m.state_dict(), checkpoint_id=path)
+    dcp.save(m.state_dict(), checkpoint_id=path)
 
 
 def _load_sharded(rank, world, path, quantized_params):
