@@ -183,15 +183,20 @@ def test_convert_names_roles_by_fqn_and_keeps_parameters():
     assert sorted(set(seen)) == ["0", "2.0"]
 
 
-def _spy_directions(monkeypatch):
-    made = []
+def _spy_quantize(monkeypatch, note):
+    """Call ``note(directions, amax)`` on every quantization dtq performs."""
     real = fbase.quantize_payloads
 
     def spy(q, x, directions, amax=None, seed=None):
-        made.extend(directions)
+        note(directions, amax)
         return real(q, x, directions, amax=amax, seed=seed)
 
     monkeypatch.setattr(fbase, "quantize_payloads", spy)
+
+
+def _spy_directions(monkeypatch):
+    made = []
+    _spy_quantize(monkeypatch, lambda directions, amax: made.extend(directions))
     return made
 
 
@@ -432,18 +437,12 @@ def test_checkpoint_recompute_is_bitwise(recipe, reentrant):
 
 def test_delayed_scaling_scale_comes_from_history_with_margin(monkeypatch):
     seen = []
-    real = fbase.quantize_payloads
-
-    def spy(q, x, directions, amax=None, seed=None):
-        seen.append(amax)
-        return real(q, x, directions, amax=amax, seed=seed)
-
     lin = dtq.nn.Linear(K, N, name="l")
     r = dtq.DelayedScaling(amax_history_len=4, margin=1)
     x1, x2 = torch.randn(TOKENS, K), torch.randn(TOKENS, K) * 100
     with dtq.autocast(r):
         lin(x1)
-        monkeypatch.setattr(fbase, "quantize_payloads", spy)
+        _spy_quantize(monkeypatch, lambda directions, amax: seen.append(amax))
         lin(x2)
     # step 2, input slot: amax = max(history) * 2**margin, and history[0] is step 1's amax
     assert torch.equal(seen[0], x1.abs().amax() * 2)
