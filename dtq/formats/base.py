@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, ClassVar, Mapping
 import torch
 
 if TYPE_CHECKING:
+    from dtq.kernels import KernelSpec
     from dtq.tensor import QuantizedTensor
 
 ROWWISE = "rowwise"
@@ -125,6 +126,27 @@ class Codec:
     def lossless(cls, q, dtype: torch.dtype) -> bool:
         """Whether dequantizing gives back a ``dtype`` input exactly (only passthrough formats)."""
         return False
+
+    @classmethod
+    def kernel_spec(cls, q, direction: str, shape: tuple[int, int], dtype: torch.dtype) -> "KernelSpec | None":
+        """How the fused CUDA kernel (``dtq.kernels``) produces this direction of a [M, K] ``dtype``
+        input, or None: no kernel for it, the reference runs (on any device)."""
+        return None
+
+    @classmethod
+    def kernel_dequantize(cls, q, payload: Payload, direction: str, shape: tuple[int, int],
+                          factored: bool = False) -> torch.Tensor | None:
+        """``dequantize`` (or the values of ``dequantize_factored``) by a CUDA kernel, or None when
+        the payload is not on a GPU with kernels, or the format has none."""
+        data = payload.get("data")
+        if data is None or not data.is_cuda:
+            return None
+        spec = cls.kernel_spec(q, direction, shape, torch.float32)
+        if spec is None:
+            return None
+        from dtq import kernels
+
+        return kernels.dequantize(spec, payload, shape, factored)
 
 
 _REGISTRY: dict[type, type[Codec]] = {}
@@ -269,26 +291,56 @@ def quantize_payloads(q: Quantizer, x: torch.Tensor, directions: tuple[str, ...]
             raise ValueError(f"{type(q).__name__}.quantize: one amax tensor was given, but its directions take their "
                              f"amax over different values ({sorted(spaces)}, e.g. the random-Hadamard columnwise "
                              "direction needs max|T x|); pass amax={direction: tensor}, as local_amax() returns")
-    out = {}
-    for d, sub in subs.items():
-        codec = codec_for(sub)
-        twin = q.aliases(tuple(subs)).get(d)
-        if twin is not None and twin in out:  # bitwise the same payload: share the tensors, not a copy
-            out[d] = dict(out[twin])
+    twins = q.aliases(tuple(subs))  # bitwise the same payload as an earlier direction: share the tensors
+    own = [d for d in subs if d not in twins]
+    given = {}
+    for d in own:
+        sub = subs[d]
+        if codec_for(sub).needs_amax(sub, d) and amax is not None:
+            a = amax if isinstance(amax, torch.Tensor) else amax.get(d)
+            if a is not None:
+                given[d] = a.to(device=xc.device, dtype=torch.float32).reshape(())
+    out = _kernel_payloads(subs, own, xc, given, seed)
+    for d in own:
+        if d in out:
             continue
+        sub = subs[d]
+        codec = codec_for(sub)
         a = None
         if codec.needs_amax(sub, d):
-            if amax is None:
-                a = codec.local_amax(sub, xc, d)
-            elif isinstance(amax, torch.Tensor):
-                a = amax
-            elif d in amax:
-                a = amax[d]
-            else:
-                a = codec.local_amax(sub, xc, d)
-            a = a.to(device=xc.device, dtype=torch.float32).reshape(())
+            a = given[d] if d in given else codec.local_amax(sub, xc, d).to(device=xc.device,
+                                                                             dtype=torch.float32).reshape(())
         out[d] = codec.quantize(sub, xc, d, a, seed if codec.uses_rng(sub, d) else None)
-    return out
+    return {d: dict(out[twins[d]]) if d in twins else out[d] for d in subs}
+
+
+def _kernel_payloads(subs: dict[str, "Quantizer"], own: list[str], xc: torch.Tensor,
+                     given: dict[str, torch.Tensor], seed) -> dict[str, Payload]:
+    """The payloads the CUDA kernels produce (one read of ``xc`` for all of them; a tensor-wide
+    amax pass first where a direction needs one and none was given); {} where they don't apply."""
+    if not xc.is_cuda or xc.numel() == 0:
+        return {}
+    from dtq import kernels
+
+    if xc.dtype not in kernels.INPUT_DTYPES or not kernels.available(xc.device):
+        return {}
+    shape = tuple(xc.shape)
+    specs = {}
+    for d in own:
+        spec = codec_for(subs[d]).kernel_spec(subs[d], d, shape, xc.dtype)
+        if spec is not None:
+            specs[d] = spec
+    if not specs:
+        return {}
+    amaxes = dict(given)
+    todo = [d for d in specs if codec_for(subs[d]).needs_amax(subs[d], d) and d not in given]
+    if todo:
+        signs = {specs[d].hadamard_signs for d in todo if specs[d].amax_space == "hadamard"}
+        want_x = any(specs[d].amax_space == "x" for d in todo)
+        ax, ah = kernels.amax(xc, want_x, next(iter(signs)) if signs else None)
+        for d in todo:
+            amaxes[d] = ah if specs[d].amax_space == "hadamard" else ax
+    return kernels.quantize(xc, specs, amaxes, seed)
 
 
 def shape_error(q: Quantizer, shape: tuple[int, int], direction: str, requirement: str) -> ValueError:

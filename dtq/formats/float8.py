@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from dtq import _bits
+from dtq import _bits, kernels
 from dtq.formats.base import Payload, Codec, Quantizer, register
 
 
@@ -45,7 +45,14 @@ class Float8Codec(Codec):
         return {"data": data, "scale_inv": torch.reciprocal(scale)}
 
     @classmethod
+    def kernel_spec(cls, q: Float8Quantizer, direction: str, shape: tuple[int, int], dtype: torch.dtype) -> kernels.KernelSpec:
+        return kernels.KernelSpec(kernels.FP8_SCALED, (0, 0), (("data", shape, q.dtype), ("scale_inv", (), torch.float32)),
+                                  e5m2=q.dtype == torch.float8_e5m2, pow2=q.pow2_scales)
+
+    @classmethod
     def dequantize(cls, q: Float8Quantizer, payload: Payload, direction: str, shape: tuple[int, int]) -> torch.Tensor:
+        if (out := cls.kernel_dequantize(q, payload, direction, shape)) is not None:
+            return out
         return payload["data"].to(torch.float32) * payload["scale_inv"]
 
     @classmethod

@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from dtq import _bits
+from dtq import _bits, kernels
 from dtq.formats.base import Payload, ROWWISE, Codec, Quantizer, register
 
 _BLOCKS = ((1, 128), (128, 128))
@@ -60,7 +60,16 @@ class Float8BlockCodec(Codec):
         return {"data": data, "scale_inv": torch.reciprocal(scale)}
 
     @classmethod
+    def kernel_spec(cls, q: Float8BlockQuantizer, direction: str, shape: tuple[int, int], dtype: torch.dtype) -> kernels.KernelSpec:
+        br, bc = q.tile(direction)
+        nblk = (-(-shape[0] // br), -(-shape[1] // bc))
+        return kernels.KernelSpec(kernels.FP8_SCALED, (br, bc), (("data", shape, q.dtype), ("scale_inv", nblk, torch.float32)),
+                                  e5m2=q.dtype == torch.float8_e5m2, pow2=q.pow2_scales)
+
+    @classmethod
     def dequantize(cls, q: Float8BlockQuantizer, payload: Payload, direction: str, shape: tuple[int, int]) -> torch.Tensor:
+        if (out := cls.kernel_dequantize(q, payload, direction, shape)) is not None:
+            return out
         s = _bits.expand_blocks(payload["scale_inv"], q.tile(direction), shape)
         return payload["data"].to(torch.float32) * s
 

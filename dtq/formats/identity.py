@@ -9,7 +9,7 @@ import dataclasses
 
 import torch
 
-from dtq import _bits
+from dtq import _bits, kernels
 from dtq.formats.base import Payload, Codec, Quantizer, register
 
 
@@ -39,6 +39,13 @@ class IdentityCodec(Codec):
         if q.dtype is None or q.dtype == x.dtype:
             return {"data": x.clone()}  # bit-exact passthrough
         return {"data": _bits.canonical_nan(x.to(q.dtype))}
+
+    @classmethod
+    def kernel_spec(cls, q: IdentityQuantizer, direction: str, shape: tuple[int, int], dtype: torch.dtype) -> kernels.KernelSpec | None:
+        out = q.dtype or dtype
+        if out not in kernels.INPUT_DTYPES:
+            return None
+        return kernels.KernelSpec(kernels.IDENTITY, (0, 0), (("data", shape, out),), out_dtype=out)
 
     @classmethod
     def dequantize(cls, q: IdentityQuantizer, payload: Payload, direction: str, shape: tuple[int, int]) -> torch.Tensor:

@@ -19,7 +19,7 @@ import dataclasses
 
 import torch
 
-from dtq import _bits
+from dtq import _bits, kernels
 from dtq.formats.base import Payload, ROWWISE, Codec, Quantizer, register, shape_error
 
 BLOCK = 32
@@ -96,7 +96,16 @@ class MXFP8Codec(Codec):
         return {"data": data, "scale": biased}
 
     @classmethod
+    def kernel_spec(cls, q: MXFP8Quantizer, direction: str, shape: tuple[int, int], dtype: torch.dtype) -> kernels.KernelSpec:
+        br, bc = _tile(direction)
+        return kernels.KernelSpec(kernels.MXFP8, (br, bc), (("data", shape, q.dtype),
+                                                           ("scale", (shape[0] // br, shape[1] // bc), torch.uint8)),
+                                  e5m2=q.dtype == torch.float8_e5m2, floor=q.scale_rounding == "floor")
+
+    @classmethod
     def dequantize(cls, q: MXFP8Quantizer, payload: Payload, direction: str, shape: tuple[int, int]) -> torch.Tensor:
+        if (out := cls.kernel_dequantize(q, payload, direction, shape)) is not None:
+            return out
         s = _bits.expand_blocks(e8m0_value(payload["scale"]), _tile(direction), shape)
         return payload["data"].to(torch.float32) * s
 

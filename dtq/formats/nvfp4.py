@@ -24,10 +24,11 @@ rowwise [M, K/16], columnwise [M/16, K], 16x16 [M/16, K/16]), ``amax`` fp32 0-di
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
-from dtq import _bits
+from dtq import _bits, kernels
 from dtq.formats.base import Payload, COLUMNWISE, ROWWISE, Codec, Quantizer, register, shape_error
 
 BLOCK = 16
@@ -61,6 +62,11 @@ class NVFP4Quantizer(Quantizer):
 def global_scale(amax: torch.Tensor) -> torch.Tensor:
     """S_enc = 2688 / amax in fp32; 1 when amax is 0 or non-finite; capped at the fp32 max."""
     return _bits.per_tensor_scale(amax, _GLOBAL, pow2=False)
+
+
+@functools.lru_cache(maxsize=64)
+def _signs_mask(seed: int) -> int:
+    return kernels.signs_mask(_bits.hadamard_signs(seed, torch.device("cpu")))
 
 
 @register(NVFP4Quantizer)
@@ -124,15 +130,28 @@ class NVFP4Codec(Codec):
         return {"data": _bits.pack_nibbles(codes), "scale": s_b, "amax": _bits.canonical_nan(amax)}
 
     @classmethod
+    def kernel_spec(cls, q: NVFP4Quantizer, direction: str, shape: tuple[int, int], dtype: torch.dtype) -> kernels.KernelSpec:
+        br, bc = q.tile(direction)
+        fields = (("data", (shape[0], shape[1] // 2), torch.uint8),
+                  ("scale", (shape[0] // br, shape[1] // bc), torch.float8_e4m3fn), ("amax", (), torch.float32))
+        return kernels.KernelSpec(kernels.NVFP4, (br, bc), fields, stochastic=q.stochastic_rounding,
+                                  stream=0 if br == bc or direction == ROWWISE else 1,
+                                  hadamard_signs=_signs_mask(q.hadamard_seed) if q.hadamard(direction) else None)
+
+    @classmethod
     def dequantize(cls, q: NVFP4Quantizer, payload: Payload, direction: str, shape: tuple[int, int]) -> torch.Tensor:
+        if (out := cls.kernel_dequantize(q, payload, direction, shape)) is not None:
+            return out
         out = cls._block_values(q, payload, direction, shape) / global_scale(payload["amax"])
         return _bits.hadamard_rows(out, q.hadamard_seed, inverse=True) if q.hadamard(direction) else out
 
     @classmethod
     def dequantize_factored(cls, q: NVFP4Quantizer, payload: Payload, direction: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        vals = cls._block_values(q, payload, direction, shape)
-        if q.hadamard(direction):
-            vals = _bits.hadamard_rows(vals, q.hadamard_seed, inverse=True)
+        vals = cls.kernel_dequantize(q, payload, direction, shape, factored=True)
+        if vals is None:
+            vals = cls._block_values(q, payload, direction, shape)
+            if q.hadamard(direction):
+                vals = _bits.hadamard_rows(vals, q.hadamard_seed, inverse=True)
         return vals, torch.reciprocal(global_scale(payload["amax"]))
 
     @staticmethod

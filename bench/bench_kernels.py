@@ -1,0 +1,174 @@
+"""Quantize-kernel throughput against the measured copy ceiling (issue 6, part 3: kernels).
+
+    python bench/bench_kernels.py --out results.json [--sizes 16 64 256 1024] [--iters 20]
+
+1. Copy ceiling: ``dst.copy_(src)`` of a 1 GiB buffer, (bytes read + bytes written) / time.
+2. For every format, direction set and a few hybrids, at each bf16 input size (MiB), the time of
+   ``quantizer.quantize(x, ...)`` on the kernel path, captured once in a CUDA graph and replayed
+   (CUDA events, warm-up, median of ``--iters``), so Python overhead is not in the number.
+   GB/s = (input bytes + payload bytes written) / time: the useful traffic. Formats that need a
+   tensor-wide amax (FP8 per-tensor, NVFP4) read the input twice (amax pass, then the fused pass),
+   so their ceiling on this metric is below 1.0 of copy: the table prints it as ``ideal``.
+3. The reference path (``DTQ_DISABLE_KERNELS=1``, eager) at one size, for contrast.
+Prints a table and writes JSON (device, torch, copy ceiling, every row) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import dtq  # noqa: E402
+from dtq import kernels  # noqa: E402
+
+H = dtq.HybridQuantizer
+CONFIGS = [
+    ("fp8", dtq.Float8Quantizer(), ("r", "c", "rc")),
+    ("fp8b_1x128", dtq.Float8BlockQuantizer(), ("r", "c", "rc")),
+    ("fp8b_128x128", dtq.Float8BlockQuantizer((128, 128)), ("rc",)),
+    ("mxfp8", dtq.MXFP8Quantizer(), ("r", "c", "rc")),
+    ("nvfp4", dtq.NVFP4Quantizer(), ("r", "c", "rc")),
+    ("nvfp4_16x16", dtq.NVFP4Quantizer((16, 16)), ("rc",)),
+    ("nvfp4_sr_rht", dtq.NVFP4Quantizer(stochastic_rounding=True, random_hadamard=True), ("c", "rc")),
+    ("identity", dtq.IdentityQuantizer(), ("rc",)),
+    ("hyb mxfp8/nvfp4_sr_rht", H(rowwise=dtq.MXFP8Quantizer(),
+                                  columnwise=dtq.NVFP4Quantizer(stochastic_rounding=True, random_hadamard=True)), ("rc",)),
+    ("hyb fp8b_1x128/nvfp4_16x16", H(rowwise=dtq.Float8BlockQuantizer(), columnwise=dtq.NVFP4Quantizer((16, 16))), ("rc",)),
+    ("hyb mxfp8/fp8b_1x128", H(rowwise=dtq.MXFP8Quantizer(), columnwise=dtq.Float8BlockQuantizer()), ("rc",)),
+    ("hyb fp8b_1x128/fp8b_128x128", H(rowwise=dtq.Float8BlockQuantizer(),
+                                       columnwise=dtq.Float8BlockQuantizer((128, 128))), ("rc",)),
+]
+K = 4096
+
+
+def _time_ms(fn, iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def copy_ceiling(iters: int) -> float:
+    n = 1 << 30
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _time_ms(lambda: dst.copy_(src), iters)
+    del src, dst
+    return 2 * n / ms / 1e6  # GB/s
+
+
+def _payload_bytes(t: dtq.QuantizedTensor) -> int:
+    seen, total = set(), 0
+    for d in t.directions:
+        for v in t.payload(d).values():
+            if v.data_ptr() not in seen:
+                seen.add(v.data_ptr())
+                total += v.numel() * v.element_size()
+    return total
+
+
+def _needs_amax(q, dirs) -> bool:
+    from dtq.formats.base import codec_for
+    return any(codec_for(q.for_direction(d)).needs_amax(q.for_direction(d), d) for d in dirs)
+
+
+def bench_one(q, x, dirs: str, iters: int, seed: torch.Tensor) -> dict:
+    kw = dict(rowwise="r" in dirs, columnwise="c" in dirs, seed=seed)
+    t = q.quantize(x, **kw)
+    out_bytes, in_bytes = _payload_bytes(t), x.numel() * x.element_size()
+    del t
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        q.quantize(x, **kw)  # warm-up off the capture (build, first launches)
+        with torch.cuda.graph(g, stream=s):
+            held = q.quantize(x, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    ms = _time_ms(g.replay, iters)
+    del g, held
+    dirnames = [d for d, on in zip(dtq.DIRECTIONS, (kw["rowwise"], kw["columnwise"])) if on]
+    amax_pass = _needs_amax(q, dirnames)
+    ideal = (in_bytes + out_bytes) / (in_bytes * (2 if amax_pass else 1) + out_bytes)
+    return {"ms": ms, "in_bytes": in_bytes, "out_bytes": out_bytes, "amax_pass": amax_pass,
+            "gbps": (in_bytes + out_bytes) / ms / 1e6, "ideal_fraction": ideal}
+
+
+def bench_reference(q, x, dirs: str, seed: torch.Tensor) -> float:
+    os.environ["DTQ_DISABLE_KERNELS"] = "1"
+    try:
+        kw = dict(rowwise="r" in dirs, columnwise="c" in dirs, seed=seed)
+        return _time_ms(lambda: q.quantize(x, **kw), iters=3, warmup=1)
+    finally:
+        del os.environ["DTQ_DISABLE_KERNELS"]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 256, 1024], help="bf16 input sizes in MiB")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--reference-size", type=int, default=64, help="MiB; 0 skips the reference timings")
+    p.add_argument("--only", default="", help="substring filter on config names")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 1
+    t0 = time.time()
+    if not kernels.available():
+        print(f"kernels unavailable: {kernels.build_error()}", file=sys.stderr)
+        return 1
+    build_s = time.time() - t0
+    dev = torch.cuda.get_device_name()
+    ceiling = copy_ceiling(args.iters)
+    print(f"device: {dev}  torch {torch.__version__}  kernel build/load {build_s:.1f}s")
+    print(f"copy ceiling: {ceiling:.0f} GB/s (read + write, 1 GiB)")
+    seed = torch.tensor(1234, dtype=torch.int64, device="cuda")
+    rows = []
+    for size in args.sizes:
+        m = size * (1 << 20) // 2 // K
+        x = (torch.randn(m, K, device="cuda") * 3).bfloat16()
+        for name, q, dirsets in CONFIGS:
+            if args.only and args.only not in name:
+                continue
+            for dirs in dirsets:
+                r = bench_one(q, x, dirs, args.iters, seed)
+                r.update(format=name, dirs=dirs, size_mib=size, shape=[m, K], fraction=r["gbps"] / ceiling)
+                if size == args.reference_size:
+                    r["reference_ms"] = bench_reference(q, x, dirs, seed)
+                rows.append(r)
+                torch.cuda.empty_cache()
+        del x
+        torch.cuda.empty_cache()
+    hdr = f"{'format':30s} {'dirs':4s} {'MiB':>5s} {'us':>9s} {'GB/s':>7s} {'of copy':>7s} {'ideal':>6s} {'ref us':>9s} {'speedup':>7s}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        ref = r.get("reference_ms")
+        ref_s = f"{ref * 1e3:9.0f} {ref / r['ms']:7.1f}" if ref else ""
+        print(f"{r['format']:30s} {r['dirs']:4s} {r['size_mib']:5d} {r['ms'] * 1e3:9.1f} {r['gbps']:7.0f} "
+              f"{r['fraction']:7.2f} {r['ideal_fraction']:6.2f} {ref_s}")
+    Path(args.out).write_text(json.dumps({"device": dev, "torch": torch.__version__, "copy_gbps": ceiling,
+                                          "input_dtype": "bfloat16", "k": K, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+// Tensor-wide amax pass (FP8 per-tensor scale, NVFP4 S_enc), run before the fused quantize kernel
+// only when one of the requested directions needs it. One read of the input gives max|x| and,
+// when asked, max|T x| for the 16-row random Hadamard T (both as fp32 bit patterns, NaN winning,
+// reduced by atomicMax into a zero-initialized int32[2]).
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "common.cuh"
+
+namespace dtq {
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ void block_max_atomic(uint32_t v, uint32_t* out) {
+  __shared__ uint32_t part[kThreads / 32];
+  v = __reduce_max_sync(0xFFFFFFFFu, v);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    v = threadIdx.x < kThreads / 32 ? part[threadIdx.x] : 0u;
+    v = __reduce_max_sync(0xFFFFFFFFu, v);
+    if (threadIdx.x == 0 && v) atomicMax(out, v);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) amax_flat_kernel(const T* __restrict__ x, int64_t n, uint32_t* out, int vec) {
+  constexpr int kEpv = 16 / sizeof(T);
+  uint32_t m = 0;
+  const int64_t stride = int64_t(gridDim.x) * kThreads;
+  int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (vec) {
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    const int64_t nv = n / kEpv;
+    for (; i + 3 * stride < nv; i += 4 * stride) {  // four independent 16-byte loads in flight
+      uint4 r[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) r[u] = __ldg(xv + i + u * stride);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const T* e = reinterpret_cast<const T*>(&r[u]);
+#pragma unroll
+        for (int j = 0; j < kEpv; ++j) m = umax(m, abs_bits(to_f32(e[j])));
+      }
+    }
+    for (; i < nv; i += stride) {
+      uint4 r = __ldg(xv + i);
+      const T* e = reinterpret_cast<const T*>(&r);
+#pragma unroll
+      for (int j = 0; j < kEpv; ++j) m = umax(m, abs_bits(to_f32(e[j])));
+    }
+  } else {
+    for (; i < n; i += stride) m = umax(m, abs_bits(to_f32(x[i])));
+  }
+  block_max_atomic(m, out);
+}
+
+// One thread: a 16-row group x W consecutive columns (W = one 16-byte vector, or 1).
+template <typename T, int W>
+__global__ void __launch_bounds__(kThreads) amax_hadamard_kernel(const T* __restrict__ x, int64_t M, int64_t K,
+                                                                 int signs, int want_x, uint32_t* out) {
+  uint32_t mx = 0, mh = 0;
+  const int64_t chunks = (K + W - 1) / W, items = (M / 16) * chunks;
+  for (int64_t it = int64_t(blockIdx.x) * kThreads + threadIdx.x; it < items; it += int64_t(gridDim.x) * kThreads) {
+    const int64_t g = it / chunks, c0 = (it % chunks) * W;
+    T raw[16][W];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const T* p = x + (g * 16 + i) * K + c0;
+      if constexpr (W * sizeof(T) == 16) *reinterpret_cast<uint4*>(raw[i]) = __ldg(reinterpret_cast<const uint4*>(p));
+      else raw[i][0] = p[0];
+    }
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+      float v[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        v[i] = to_f32(raw[i][j]);
+        mx = umax(mx, abs_bits(v[i]));
+      }
+      hadamard16(v, signs);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) mh = umax(mh, abs_bits(v[i]));
+    }
+  }
+  if (want_x) block_max_atomic(mx, out);
+  __syncthreads();
+  block_max_atomic(mh, out + 1);
+}
+
+int grid_for(int64_t work) {
+  const int sms = sm_count();
+  int64_t g = (work + kThreads - 1) / kThreads;
+  const int64_t cap = int64_t(sms) * 8;
+  return int(g < 1 ? 1 : (g > cap ? cap : g));
+}
+
+template <typename T>
+void launch(const at::Tensor& x, uint32_t* out, bool want_x, int64_t signs) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const T* p = reinterpret_cast<const T*>(x.data_ptr());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  constexpr int kEpv = 16 / sizeof(T);
+  const bool aligned = (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+  if (signs < 0) {
+    const int64_t n = x.numel();
+    const int vec = aligned && n % kEpv == 0;
+    amax_flat_kernel<T><<<grid_for(vec ? n / kEpv / 4 : n), kThreads, 0, stream>>>(p, n, out, vec);
+  } else {
+    TORCH_CHECK(M % 16 == 0, "dtq kernels: the Hadamard amax needs M % 16 == 0");
+    if (aligned && K % kEpv == 0)
+      amax_hadamard_kernel<T, kEpv><<<grid_for((M / 16) * (K / kEpv)), kThreads, 0, stream>>>(p, M, K, int(signs), want_x, out);
+    else
+      amax_hadamard_kernel<T, 1><<<grid_for((M / 16) * K), kThreads, 0, stream>>>(p, M, K, int(signs), want_x, out);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+// out: int32[2] zeros on x's device; [0] gets max|x| (when want_x), [1] max|T x| (when signs >= 0).
+void amax(const at::Tensor& x, const at::Tensor& out, bool want_x, int64_t signs) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "dtq kernels: x must be a contiguous 2-D CUDA tensor");
+  TORCH_CHECK(out.is_cuda() && out.scalar_type() == at::kInt && out.numel() == 2, "dtq kernels: amax out is int32[2]");
+  if (x.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  uint32_t* o = reinterpret_cast<uint32_t*>(out.data_ptr());
+  switch (x.scalar_type()) {
+    case at::kFloat: launch<float>(x, o, want_x, signs); break;
+    case at::kBFloat16: launch<__nv_bfloat16>(x, o, want_x, signs); break;
+    case at::kHalf: launch<__half>(x, o, want_x, signs); break;
+    default: TORCH_CHECK(false, "dtq kernels: unsupported input dtype ", x.scalar_type());
+  }
+}
+
+}  // namespace dtq

@@ -1,0 +1,19 @@
+// pybind11 entry points of the dtq CUDA extension (built by dtq/kernels.py).
+#include <torch/extension.h>
+
+namespace dtq {
+void quantize_fused(const at::Tensor& x, const std::vector<int64_t>& cfg_a, const std::vector<at::Tensor>& outs_a,
+                    const c10::optional<at::Tensor>& amax_a, const std::vector<int64_t>& cfg_b,
+                    const std::vector<at::Tensor>& outs_b, const c10::optional<at::Tensor>& amax_b,
+                    const c10::optional<at::Tensor>& seed);
+void amax(const at::Tensor& x, const at::Tensor& out, bool want_x, int64_t signs);
+void dequantize(const at::Tensor& data, const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& tensor,
+                const std::vector<int64_t>& cfg, const at::Tensor& out);
+}  // namespace dtq
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quantize_fused", &dtq::quantize_fused,
+        "Up to two direction payloads of a [M, K] tensor from one read (slot configs: see csrc/common.cuh)");
+  m.def("amax", &dtq::amax, "Tensor-wide max|x| and/or max|T x| (16-row Hadamard) into int32[2] bit patterns");
+  m.def("dequantize", &dtq::dequantize, "One direction payload back to [M, K] values");
+}

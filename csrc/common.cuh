@@ -1,0 +1,212 @@
+// Bit-level device helpers shared by the dtq kernels. Each function reproduces one step of
+// dtq/_bits.py or a codec in dtq/formats/ exactly: fp32 arithmetic through the explicit
+// round-to-nearest intrinsics (no contraction into FMAs even if -fmad were on), NaN-propagating
+// maxima on the bit patterns of |x|, and saturating RNE casts.
+#pragma once
+
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+namespace dtq {
+
+constexpr float kFltMax = 3.4028234663852886e+38f;
+constexpr uint32_t kCanonicalNaN = 0x7FC00000u;  // torch's float('nan')
+
+// Payload kinds one direction slot of the fused kernel can produce (mirrors dtq/kernels.py).
+enum SlotKind : int { kNone = 0, kFp8Scaled = 1, kMXFP8 = 2, kNVFP4 = 3, kIdentity = 4 };
+// Element dtypes of inputs and identity outputs.
+enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+// One direction's configuration, passed by value to the kernels.
+struct SlotCfg {
+  int kind;        // SlotKind
+  int br, bc;      // block rows / cols sharing a scale; 0, 0: one scale for the tensor
+  int e5m2;        // FP8 element type: 0 e4m3fn, 1 e5m2
+  int pow2;        // kFp8Scaled: round scales down to a power of two
+  int floor_mode;  // kMXFP8: OCP floor derivation instead of RCEIL
+  int sr;          // kNVFP4: stochastic rounding
+  int stream;      // kNVFP4: random-bits stream
+  int hadamard;    // kNVFP4: 16-point random Hadamard along M (columnwise)
+  int signs;       // Hadamard sign mask, bit j set: sign j is -1
+  int out_dtype;   // kIdentity: DType of the output
+  float fmax;      // FP8 max of the element type (kFp8Scaled, kMXFP8)
+  void* data;      // codes (or identity values)
+  void* scale;     // block scales: fp32 scale_inv / uint8 E8M0 / e4m3 bytes
+  float* tensor_out;         // per-tensor output: fp32 scale_inv (kFp8Scaled with br == 0) or amax (kNVFP4)
+  const float* amax_in;      // tensor-wide amax (kFp8Scaled per-tensor, kNVFP4)
+  const int64_t* seed;       // kNVFP4 with sr
+};
+
+__device__ __forceinline__ uint32_t f2u(float f) { return __float_as_uint(f); }
+__device__ __forceinline__ float u2f(uint32_t u) { return __uint_as_float(u); }
+__device__ __forceinline__ uint32_t abs_bits(float f) { return f2u(f) & 0x7FFFFFFFu; }
+// max over |x| bit patterns: NaN (bits above +inf) wins, like torch's amax.
+__device__ __forceinline__ uint32_t umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
+__device__ __forceinline__ bool is_nan(float f) { return abs_bits(f) > 0x7F800000u; }
+__device__ __forceinline__ bool is_finite(float f) { return abs_bits(f) < 0x7F800000u; }
+
+template <typename T> struct InType;
+template <> struct InType<float> {
+  static __device__ __forceinline__ float to_f32(float v) { return v; }
+};
+template <> struct InType<__nv_bfloat16> {
+  static __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+};
+template <> struct InType<__half> {
+  static __device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+};
+template <typename T> __device__ __forceinline__ float to_f32(T v) { return InType<T>::to_f32(v); }
+
+// floor(log2(v)) for positive finite v, subnormals included (torch.frexp exponent - 1).
+__device__ __forceinline__ int floor_log2(float v) {
+  uint32_t b = f2u(v);
+  int e = int(b >> 23);
+  if (e) return e - 127;
+  return (31 - __clz(int(b))) - 149;
+}
+// ceil(log2(v)) for positive finite v: floor, plus one unless v is a power of two.
+__device__ __forceinline__ int ceil_log2(float v) {
+  uint32_t b = f2u(v);
+  int e = int(b >> 23);
+  uint32_t m = b & 0x7FFFFFu;
+  if (e) return (e - 127) + (m != 0);
+  return floor_log2(v) + ((m & (m - 1)) != 0);
+}
+// 2**e as fp32 for -149 <= e <= 127 (exact, subnormal below -126).
+__device__ __forceinline__ float exp2i(int e) {
+  return e >= -126 ? u2f(uint32_t(e + 127) << 23) : u2f(1u << (e + 149));
+}
+
+// _bits.per_tensor_scale: fmax / amax, 1 when amax is 0 or non-finite, capped at FLT_MAX,
+// optionally rounded down to a power of two.
+__device__ __forceinline__ float scale_from_amax(float amax, float fmax, bool pow2) {
+  float s = (is_finite(amax) && amax > 0.f) ? __fdiv_rn(fmax, amax) : 1.f;
+  if (!(s <= kFltMax)) s = kFltMax;  // +inf -> FLT_MAX (s is never NaN here)
+  if (pow2) s = exp2i(floor_log2(s));
+  return s;
+}
+
+// _bits.cast_fp8 of an fp32 value: saturate, RNE, NaN -> 0x7F.
+__device__ __forceinline__ uint8_t cast_fp8(float v, bool e5m2) {
+  if (is_nan(v)) return 0x7F;
+  return e5m2 ? uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E5M2))
+              : uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+// Exact value of an e4m3fn code (NaN for 0x7F/0xFF).
+__device__ __forceinline__ float e4m3_value(uint8_t c) {
+  uint32_t s = uint32_t(c & 0x80) << 24;
+  uint32_t e = (c >> 3) & 0xF, m = c & 7;
+  if (e == 15 && m == 7) return u2f(kCanonicalNaN);
+  if (e == 0) return u2f(s | f2u(__fmul_rn(float(m), 0.001953125f)));  // m * 2**-9
+  return u2f(s | ((e + 120) << 23) | (m << 20));
+}
+
+// ------------------------------------------------------------------------------------------
+// MXFP8: biased E8M0 exponent of a block amax (mxfp8.e8m0_exponent) and its multiplier 2**-e.
+__device__ __forceinline__ uint32_t e8m0_biased(float amax, float fmax, bool e5m2, bool floor_mode) {
+  if (!is_finite(amax)) return 0xFF;
+  if (amax == 0.f) return 0;
+  int e;
+  if (!floor_mode) {
+    float d = __fdiv_rn(amax, fmax);
+    e = d > 0.f ? ceil_log2(d) : -127;
+  } else {
+    e = floor_log2(amax) - (e5m2 ? 15 : 8);
+  }
+  e = e < -127 ? -127 : (e > 127 ? 127 : e);
+  return uint32_t(e + 127);
+}
+__device__ __forceinline__ float e8m0_inv(uint32_t biased) {
+  return biased == 0xFF ? u2f(kCanonicalNaN) : exp2i(127 - int(biased));
+}
+
+// ------------------------------------------------------------------------------------------
+// NVFP4
+__device__ __forceinline__ float nvfp4_senc(float amax) { return scale_from_amax(amax, 2688.f, false); }
+
+// Block scale byte: e4m3((block_amax / 6) * S_enc).
+__device__ __forceinline__ uint8_t nvfp4_block_scale(float bamax, float s_enc) {
+  return cast_fp8(__fmul_rn(__fdiv_rn(bamax, 6.f), s_enc), false);
+}
+// Multiplier S_enc / s_b; 0 marks an all-zero-code block (s_b == 0).
+__device__ __forceinline__ float nvfp4_factor(uint8_t sb, float s_enc) {
+  float sbf = e4m3_value(sb);
+  return sbf == 0.f ? 0.f : __fdiv_rn(s_enc, sbf);
+}
+
+// _bits.e2m1_encode: RNE, saturating, NaN -> +6.
+__device__ __forceinline__ uint32_t e2m1_rne(float x) {
+  if (is_nan(x)) return 7;
+  float v = fabsf(x);
+  uint32_t m = (v > 0.25f) + (v >= 0.75f) + (v > 1.25f) + (v >= 1.75f) + (v > 2.5f) + (v >= 3.5f) + (v > 5.f);
+  return m | ((f2u(x) >> 28) & 8);
+}
+
+// Magnitude of E2M1 code i in 0..7 (0, .5, 1, 1.5, 2, 3, 4, 6), without a run-time-indexed array.
+__device__ __forceinline__ float e2m1_magnitude(uint32_t i) {
+  return i <= 4 ? __fmul_rn(float(i), 0.5f) : (i == 5 ? 3.f : (i == 6 ? 4.f : 6.f));
+}
+
+// _bits.e2m1_encode_stochastic with 32 random bits r.
+__device__ __forceinline__ uint32_t e2m1_sr(float x, uint32_t r) {
+  if (is_nan(x)) return 7;
+  float v = fabsf(x);
+  if (v > 6.f) v = 6.f;
+  uint32_t lo = (v >= 0.5f) + (v >= 1.f) + (v >= 1.5f) + (v >= 2.f) + (v >= 3.f) + (v >= 4.f) + (v >= 6.f);
+  uint32_t hi = lo + 1 > 7 ? 7 : lo + 1;
+  float glo = e2m1_magnitude(lo), ghi = e2m1_magnitude(hi);
+  float frac = ghi > glo ? __fdiv_rn(__fsub_rn(v, glo), __fsub_rn(ghi, glo)) : 0.f;
+  float u = __fmul_rn(float(r >> 8), 5.9604644775390625e-08f);  // * 2**-24
+  uint32_t m = u < frac ? hi : lo;
+  return m | ((f2u(x) >> 28) & 8);
+}
+
+// ------------------------------------------------------------------------------------------
+// Counter-based random bits (_bits.hash32 / random_bits).
+__device__ __forceinline__ uint32_t hash32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+__device__ __forceinline__ uint32_t rng_key(const int64_t* seed, int stream) {
+  uint32_t s = uint32_t(uint64_t(*seed) & 0xFFFFFFFFull);
+  return hash32(s ^ (uint32_t(stream) * 0x9E3779B9u));
+}
+__device__ __forceinline__ uint32_t rand_at(uint32_t key, uint64_t idx) {
+  return hash32(uint32_t(idx & 0xFFFFFFFFull) ^ key);
+}
+
+// 16-point Walsh-Hadamard of v (in place) after multiplying by the signs, then * 0.25: the exact
+// operation order of _bits.hadamard_rows (four butterfly stages of a + b, a - b).
+__device__ __forceinline__ void hadamard16(float (&v)[16], int signs) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = __fmul_rn(v[i], ((signs >> i) & 1) ? -1.f : 1.f);
+#pragma unroll
+  for (int h = 1; h < 16; h *= 2) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      if ((i & h) == 0) {
+        float a = v[i], b = v[i + h];
+        v[i] = __fadd_rn(a, b);
+        v[i + h] = __fsub_rn(a, b);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = __fmul_rn(v[i], 0.25f);
+}
+
+// Multiprocessor count of the current device (grid sizing of grid-stride kernels).
+inline int sm_count() {
+  int dev = 0, n = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+  return n > 0 ? n : 132;
+}
+
+}  // namespace dtq

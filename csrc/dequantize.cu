@@ -1,0 +1,130 @@
+// Dequantize one direction payload to fp32 [M, K] (the emulated GEMMs' operands), reproducing the
+// codecs' dequantize (and NVFP4's dequantize_factored) bit for bit: code value times block scale
+// in fp32, NVFP4 then divided by S_enc, the random Hadamard inverted with the same butterflies.
+// One thread per output element (codes and scales are small, the fp32 output dominates the
+// traffic); Hadamard columns take one thread per 16-row group and column.
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "common.cuh"
+
+namespace dtq {
+namespace {
+
+constexpr int kThreads = 256;
+
+struct DeqCfg {
+  int kind, br, bc, e5m2, hadamard, signs, factored;
+  const uint8_t* data;
+  const void* scale;
+  const float* tensor;  // fp32 scale_inv (FP8 per-tensor) or amax (NVFP4)
+  int64_t M, K;
+};
+
+__device__ __forceinline__ float fp8_value(uint8_t c, bool e5m2) {
+  __half_raw h = __nv_cvt_fp8_to_halfraw(c, e5m2 ? __NV_E5M2 : __NV_E4M3);
+  return __half2float(__half(h));
+}
+
+__device__ __forceinline__ float block_scale(const DeqCfg& d, int64_t r, int64_t c) {
+  if (d.kind == kFp8Scaled && d.br == 0) return *d.tensor;
+  const int64_t idx = (r / d.br) * ((d.K + d.bc - 1) / d.bc) + c / d.bc;
+  if (d.kind == kFp8Scaled) return reinterpret_cast<const float*>(d.scale)[idx];
+  const uint8_t b = reinterpret_cast<const uint8_t*>(d.scale)[idx];
+  if (d.kind == kMXFP8) return b == 0xFF ? u2f(kCanonicalNaN) : exp2i(int(b) - 127);
+  return e4m3_value(b);  // kNVFP4
+}
+
+__device__ __forceinline__ float element(const DeqCfg& d, float s_enc, int64_t r, int64_t c) {
+  const int64_t i = r * d.K + c;
+  float q;
+  if (d.kind == kNVFP4) {
+    const uint32_t code = (d.data[i >> 1] >> ((i & 1) * 4)) & 0xF;
+    q = e2m1_magnitude(code & 7);
+    if (code & 8) q = -q;
+  } else {
+    q = fp8_value(d.data[i], d.e5m2);
+  }
+  float v = __fmul_rn(q, block_scale(d, r, c));
+  if (d.kind == kNVFP4 && !d.factored) v = __fdiv_rn(v, s_enc);
+  return v;
+}
+
+__global__ void __launch_bounds__(kThreads) dequant_kernel(DeqCfg d, float* __restrict__ out) {
+  const float s_enc = d.kind == kNVFP4 ? nvfp4_senc(*d.tensor) : 1.f;
+  const int64_t n = d.M * d.K;
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads)
+    out[i] = element(d, s_enc, i / d.K, i % d.K);
+}
+
+// Inverse transform T^T = diag(signs) . H16 / 4 of _bits.hadamard_rows(inverse=True): walsh, * 0.25, * signs.
+__global__ void __launch_bounds__(kThreads) dequant_hadamard_kernel(DeqCfg d, float* __restrict__ out) {
+  const float s_enc = nvfp4_senc(*d.tensor);
+  const int64_t items = (d.M / 16) * d.K;
+  for (int64_t it = int64_t(blockIdx.x) * kThreads + threadIdx.x; it < items; it += int64_t(gridDim.x) * kThreads) {
+    const int64_t g = it / d.K, c = it % d.K;
+    float v[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = element(d, s_enc, g * 16 + i, c);
+#pragma unroll
+    for (int h = 1; h < 16; h *= 2) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        if ((i & h) == 0) {
+          float a = v[i], b = v[i + h];
+          v[i] = __fadd_rn(a, b);
+          v[i + h] = __fsub_rn(a, b);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      out[(g * 16 + i) * d.K + c] = __fmul_rn(__fmul_rn(v[i], 0.25f), ((d.signs >> i) & 1) ? -1.f : 1.f);
+  }
+}
+
+}  // namespace
+
+// cfg: kind, br, bc, e5m2, hadamard, signs, factored (see SlotKind / SlotCfg in common.cuh).
+void dequantize(const at::Tensor& data, const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& tensor,
+                const std::vector<int64_t>& cfg, const at::Tensor& out) {
+  TORCH_CHECK(cfg.size() == 7, "dtq kernels: dequantize config needs 7 ints");
+  TORCH_CHECK(out.is_cuda() && out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kFloat,
+              "dtq kernels: dequantize out must be a contiguous fp32 [M, K] CUDA tensor");
+  TORCH_CHECK(data.is_cuda() && data.is_contiguous() && data.element_size() == 1, "dtq kernels: codes must be 1-byte");
+  DeqCfg d{};
+  d.kind = int(cfg[0]); d.br = int(cfg[1]); d.bc = int(cfg[2]); d.e5m2 = int(cfg[3]);
+  d.hadamard = int(cfg[4]); d.signs = int(cfg[5]); d.factored = int(cfg[6]);
+  d.M = out.size(0); d.K = out.size(1);
+  d.data = reinterpret_cast<const uint8_t*>(data.data_ptr());
+  if (scale.has_value()) {
+    TORCH_CHECK(scale->is_cuda() && scale->is_contiguous(), "dtq kernels: scales must be contiguous CUDA");
+    d.scale = scale->data_ptr();
+  }
+  if (tensor.has_value()) {
+    TORCH_CHECK(tensor->is_cuda() && tensor->scalar_type() == at::kFloat, "dtq kernels: per-tensor value is fp32 CUDA");
+    d.tensor = tensor->data_ptr<float>();
+  }
+  TORCH_CHECK(d.kind == kFp8Scaled || d.kind == kMXFP8 || d.kind == kNVFP4, "dtq kernels: no dequantize kernel for kind ", d.kind);
+  TORCH_CHECK(!(d.kind == kNVFP4 || (d.kind == kFp8Scaled && d.br == 0)) || d.tensor, "dtq kernels: missing per-tensor value");
+  TORCH_CHECK(d.kind == kFp8Scaled && d.br == 0 ? true : d.scale != nullptr, "dtq kernels: missing block scales");
+  if (out.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(out.device());
+  const int sms = sm_count();
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  if (d.hadamard) {
+    TORCH_CHECK(d.kind == kNVFP4 && d.M % 16 == 0, "dtq kernels: Hadamard dequantize is NVFP4 with M % 16 == 0");
+    const int64_t items = (d.M / 16) * d.K;
+    const int64_t grid = std::min<int64_t>((items + kThreads - 1) / kThreads, int64_t(sms) * 16);
+    dequant_hadamard_kernel<<<unsigned(grid), kThreads, 0, stream>>>(d, out.data_ptr<float>());
+  } else {
+    const int64_t grid = std::min<int64_t>((out.numel() + kThreads - 1) / kThreads, int64_t(sms) * 32);
+    dequant_kernel<<<unsigned(grid), kThreads, 0, stream>>>(d, out.data_ptr<float>());
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace dtq

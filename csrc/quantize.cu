@@ -1,0 +1,465 @@
+// Fused quantization: one read of a [M, K] input produces up to two direction payloads ("slots"),
+// each of any format (FP8 per-tensor / block, MXFP8, NVFP4, identity), both written in the
+// logical [M, K] orientation.
+//
+// One CTA of 256 threads owns a 128 x 128 input tile, staged in shared memory in the input dtype
+// (16-byte cp.async copies, XOR-swizzled so the two access patterns below are bank-conflict free):
+//   1. column pass: thread = 2 columns x 32 rows; max|x| per 16-row group and column, and the
+//      whole NVFP4 random-Hadamard columnwise direction (the 16-row transform lives in registers);
+//   2. block pass: the amax, scale and multiplier of every block taller than one row (columnwise
+//      blocks, 16x16, 128x128), multipliers kept in shared memory, scales written out;
+//   3. cast pass: thread = 16 consecutive columns x 4 rows; row-block amaxes (1x16 in-thread,
+//      1x32 / 1x128 by warp shuffles), then both slots' codes from the same registers, stored as
+//      16-byte (FP8) / 8-byte (FP4) vectors.
+// Tensor-wide amaxes (FP8 per-tensor, NVFP4 S_enc) come from a device pointer (amax.cu or the
+// caller), so no host synchronization happens anywhere.
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "common.cuh"
+
+namespace dtq {
+namespace {
+
+constexpr int kTile = 128;
+constexpr int kThreads = 256;
+constexpr int kGroups = kTile / 16;  // 16-row groups per tile
+
+__host__ __device__ inline int blocks_per_tile(const SlotCfg& s) {
+  if (s.br <= 1) return 0;  // row blocks and per-tensor scales need no table
+  if (s.hadamard) return 0;
+  return (kTile / s.br) * (kTile / s.bc);
+}
+
+template <typename T>
+struct Tile {
+  static constexpr int kEpv = 16 / sizeof(T);            // elements per 16-byte vector
+  static constexpr int kVpr = kTile / kEpv;              // vectors per row
+  static constexpr int kChunkVecs = 16 / kEpv;           // vectors in a 16-column chunk
+  static constexpr int kBytes = kTile * kTile * sizeof(T);
+  // Byte offset of element (r, c): 16-byte vectors permuted within aligned groups of 8.
+  static __device__ __forceinline__ int vec_off(int r, int j) {
+    return r * (kVpr * 16) + ((j ^ ((j >> 3) & (kChunkVecs - 1))) * 16);
+  }
+  static __device__ __forceinline__ int elem_off(int r, int c) {
+    return vec_off(r, c / kEpv) + (c % kEpv) * int(sizeof(T));
+  }
+};
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
+
+// Scale and multiplier of one block from its amax.
+__device__ __forceinline__ float block_params(const SlotCfg& s, float bam, float s_enc, uint32_t& scale_bits) {
+  if (s.kind == kFp8Scaled) {
+    float sc = scale_from_amax(bam, s.fmax, s.pow2);
+    scale_bits = f2u(__frcp_rn(sc));
+    return sc;
+  }
+  if (s.kind == kMXFP8) {
+    uint32_t b = e8m0_biased(bam, s.fmax, s.e5m2, s.floor_mode);
+    scale_bits = b;
+    return e8m0_inv(b);
+  }
+  uint8_t sb = nvfp4_block_scale(bam, s_enc);  // kNVFP4
+  scale_bits = sb;
+  return nvfp4_factor(sb, s_enc);
+}
+
+__device__ __forceinline__ void store_scale(const SlotCfg& s, int64_t idx, uint32_t bits) {
+  if (s.kind == kFp8Scaled)
+    reinterpret_cast<uint32_t*>(s.scale)[idx] = bits;
+  else
+    reinterpret_cast<uint8_t*>(s.scale)[idx] = uint8_t(bits);
+}
+
+__device__ __forceinline__ uint32_t fp4_code(const SlotCfg& s, float v, float mult, uint32_t key, int64_t idx) {
+  if (mult == 0.f) return 0;  // s_b == 0: the whole block is code 0
+  float y = __fmul_rn(v, mult);
+  return s.sr ? e2m1_sr(y, rand_at(key, uint64_t(idx))) : e2m1_rne(y);
+}
+
+// 16 consecutive elements of one row, as the raw 16-byte vectors read from shared memory.
+template <typename T>
+struct Chunk {
+  static constexpr int kVecs = int(sizeof(T));  // 16 elements * sizeof(T) / 16 bytes
+  uint4 v[kVecs];
+  __device__ __forceinline__ uint32_t word(int w) const {
+    const uint4& q = v[w / 4];
+    const int i = w % 4;
+    return i == 0 ? q.x : (i == 1 ? q.y : (i == 2 ? q.z : q.w));
+  }
+  // Raw bit pattern of element j (j a compile-time constant after unrolling).
+  __device__ __forceinline__ uint32_t bits(int j) const {
+    if constexpr (sizeof(T) == 4) return word(j);
+    else return (word(j / 2) >> (16 * (j % 2))) & 0xFFFFu;
+  }
+  __device__ __forceinline__ float f32(int j) const {
+    if constexpr (sizeof(T) == 4) return u2f(bits(j));
+    else if constexpr (std::is_same<T, __nv_bfloat16>::value) return u2f(bits(j) << 16);
+    else return __half2float(__ushort_as_half(static_cast<unsigned short>(bits(j))));
+  }
+};
+
+// Identity output bits of one fp32 value in dtype `od` (canonical NaN, RNE).
+__device__ __forceinline__ uint32_t identity_bits(float v, int od) {
+  if (od == kF32) return is_nan(v) ? kCanonicalNaN : f2u(v);
+  if (od == kBF16) return is_nan(v) ? 0x7FC0u : uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(v)));
+  return is_nan(v) ? 0x7E00u : uint32_t(__half_as_ushort(__float2half_rn(v)));
+}
+
+template <typename T>
+__device__ __forceinline__ void write_identity(const SlotCfg& s, const Chunk<T>& ch, int64_t off, bool vec, int nvalid) {
+  const int osz = s.out_dtype == kF32 ? 4 : 2;
+  const bool same = osz == int(sizeof(T)) && (s.out_dtype == kF32 || (s.out_dtype == kBF16) == std::is_same<T, __nv_bfloat16>::value);
+  auto e = [&](int j) -> uint32_t { return same ? ch.bits(j) : identity_bits(ch.f32(j), s.out_dtype); };
+  if (osz == 4) {
+    uint32_t* dst = reinterpret_cast<uint32_t*>(s.data) + off;
+    if (vec) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        reinterpret_cast<uint4*>(dst)[q] = make_uint4(e(4 * q), e(4 * q + 1), e(4 * q + 2), e(4 * q + 3));
+    } else {
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        if (j < nvalid) dst[j] = e(j);
+    }
+  } else {
+    uint16_t* dst = reinterpret_cast<uint16_t*>(s.data) + off;
+    if (vec) {
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        uint32_t w[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) w[i] = e(8 * q + 2 * i) | (e(8 * q + 2 * i + 1) << 16);
+        reinterpret_cast<uint4*>(dst)[q] = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        if (j < nvalid) dst[j] = uint16_t(e(j));
+    }
+  }
+}
+
+// One slot's output for 16 consecutive elements of a row; mult(j) is element j's multiplier.
+template <typename T, typename MultFn>
+__device__ __forceinline__ void write_slot_row(const SlotCfg& s, const Chunk<T>& ch, MultFn mult, int64_t K,
+                                               int64_t row, int64_t col0, bool vec, uint32_t key) {
+  const int nvalid = K - col0 < 16 ? int(K - col0) : 16;
+  if (s.kind == kFp8Scaled || s.kind == kMXFP8) {
+    uint8_t* dst = reinterpret_cast<uint8_t*>(s.data) + row * K + col0;
+    uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int j = 0; j < 16; ++j) w[j / 4] |= uint32_t(cast_fp8(__fmul_rn(ch.f32(j), mult(j)), s.e5m2)) << (8 * (j % 4));
+    if (vec) {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        if (j < nvalid) dst[j] = uint8_t(w[j / 4] >> (8 * (j % 4)));
+    }
+  } else if (s.kind == kNVFP4) {
+    uint32_t w[2] = {0, 0};
+    const int64_t base = row * K + col0;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) w[j / 8] |= fp4_code(s, ch.f32(j), mult(j), key, base + j) << (4 * (j % 8));
+    uint8_t* dst = reinterpret_cast<uint8_t*>(s.data) + base / 2;
+    if (vec) {
+      *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (2 * j < nvalid) dst[j] = uint8_t(w[j / 4] >> (8 * (j % 4)));
+    }
+  } else if (s.kind == kIdentity) {
+    write_identity<T>(s, ch, row * K + col0, vec, nvalid);
+  }
+}
+
+// Columnwise NVFP4 with the 16-point random Hadamard for one 16-row group of 2 adjacent columns,
+// all in registers (w0, w1 are transformed in place).
+__device__ __forceinline__ void hadamard_nvfp4(const SlotCfg& s, float (&w0)[16], float (&w1)[16], int64_t M,
+                                               int64_t K, int64_t r0, int64_t col, float s_enc, uint32_t key) {
+  hadamard16(w0, s.signs);
+  hadamard16(w1, s.signs);
+  uint32_t a0 = 0, a1 = 0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) { a0 = umax(a0, abs_bits(w0[i])); a1 = umax(a1, abs_bits(w1[i])); }
+  const uint8_t sb0 = nvfp4_block_scale(u2f(a0), s_enc), sb1 = nvfp4_block_scale(u2f(a1), s_enc);
+  const float f0 = nvfp4_factor(sb0, s_enc), f1 = nvfp4_factor(sb1, s_enc);
+  if (r0 >= M || col >= K) return;  // M % 16 == 0 and K % 16 == 0: groups are whole
+  uint8_t* sc = reinterpret_cast<uint8_t*>(s.scale) + (r0 / 16) * K + col;
+  sc[0] = sb0;
+  sc[1] = sb1;
+  uint8_t* d = reinterpret_cast<uint8_t*>(s.data) + r0 * (K / 2) + col / 2;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int64_t idx = (r0 + i) * K + col;
+    const uint32_t lo = fp4_code(s, w0[i], f0, key, idx), hi = fp4_code(s, w1[i], f1, key, idx + 1);
+    d[int64_t(i) * (K / 2)] = uint8_t(lo | (hi << 4));
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) fused_quantize_kernel(const T* __restrict__ x, int64_t M, int64_t K,
+                                                                  SlotCfg sa, SlotCfg sb, int vec_ok) {
+  using TL = Tile<T>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  unsigned char* tile = smem;
+  uint32_t* colamax = reinterpret_cast<uint32_t*>(smem + TL::kBytes);      // [kGroups][kTile]
+  uint32_t* tab_a = colamax + kGroups * kTile;                             // block amax, then multipliers
+  uint32_t* tab_b = tab_a + blocks_per_tile(sa);
+
+  const int t = threadIdx.x;
+  const int64_t tiles_k = (K + kTile - 1) / kTile;
+  const int64_t m0 = (int64_t(blockIdx.x) / tiles_k) * kTile;
+  const int64_t k0 = (int64_t(blockIdx.x) % tiles_k) * kTile;
+  const int rows_valid = M - m0 < kTile ? int(M - m0) : kTile;
+  const int cols_valid = K - k0 < kTile ? int(K - k0) : kTile;
+
+  // ---- 0. stage the tile (zeros outside the tensor, as the references pad partial blocks)
+  if (vec_ok) {
+#pragma unroll 4
+    for (int i = t; i < kTile * TL::kVpr; i += kThreads) {
+      int r = i / TL::kVpr, j = i % TL::kVpr;
+      bool valid = r < rows_valid && j * TL::kEpv < cols_valid;
+      const T* src = valid ? x + (m0 + r) * K + k0 + j * TL::kEpv : x;
+      cp_async16(tile + TL::vec_off(r, j), src, valid);
+    }
+  } else {
+    using U = typename std::conditional<sizeof(T) == 4, uint32_t, uint16_t>::type;  // raw bits
+    const U* xu = reinterpret_cast<const U*>(x);
+    for (int e = t; e < kTile * kTile; e += kThreads) {
+      int r = e / kTile, c = e % kTile;
+      U v = (r < rows_valid && c < cols_valid) ? xu[(m0 + r) * K + k0 + c] : U(0);
+      *reinterpret_cast<U*>(tile + TL::elem_off(r, c)) = v;
+    }
+  }
+  // Slot si (0: sa, 1: sb); loops over si are unrolled, so this resolves at compile time.
+  auto slot = [&](int si) -> const SlotCfg& { return si ? sb : sa; };
+  uint32_t* tabs[2] = {tab_a, tab_b};
+#pragma unroll
+  for (int si = 0; si < 2; ++si) {
+    const SlotCfg& s = slot(si);
+    if (blocks_per_tile(s) && s.bc == kTile && t < kTile / s.br) tabs[si][t] = 0u;  // atomicMax targets
+  }
+  float s_enc[2] = {1.f, 1.f}, tensor_mult[2] = {1.f, 1.f};
+  uint32_t key[2] = {0u, 0u};
+#pragma unroll
+  for (int si = 0; si < 2; ++si) {
+    const SlotCfg& s = slot(si);
+    if (s.kind == kNVFP4) {
+      float am = *s.amax_in;
+      s_enc[si] = nvfp4_senc(am);
+      if (s.sr) key[si] = rng_key(s.seed, s.stream);
+      if (blockIdx.x == 0 && t == 0) *s.tensor_out = is_nan(am) ? u2f(kCanonicalNaN) : am;
+    } else if (s.kind == kFp8Scaled && s.br == 0) {
+      tensor_mult[si] = scale_from_amax(*s.amax_in, s.fmax, s.pow2);
+      if (blockIdx.x == 0 && t == 0) *s.tensor_out = __frcp_rn(tensor_mult[si]);
+    }
+  }
+  if (vec_ok) cp_async_wait_all();
+  __syncthreads();
+
+  // ---- 1. column pass
+  const bool need_cols = sa.br > 1 || sb.br > 1;
+  if (need_cols) {
+    const int cp = t % 64, rq = t / 64;
+#pragma unroll 1
+    for (int g = 0; g < 2; ++g) {
+      float c0[16], c1[16];
+      uint32_t a0 = 0, a1 = 0;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const T* p = reinterpret_cast<const T*>(tile + TL::elem_off(rq * 32 + g * 16 + i, 2 * cp));
+        c0[i] = to_f32(p[0]);
+        c1[i] = to_f32(p[1]);
+        a0 = umax(a0, abs_bits(c0[i]));
+        a1 = umax(a1, abs_bits(c1[i]));
+      }
+      colamax[(rq * 2 + g) * kTile + 2 * cp] = a0;
+      colamax[(rq * 2 + g) * kTile + 2 * cp + 1] = a1;
+#pragma unroll
+      for (int si = 0; si < 2; ++si) {
+        if (slot(si).hadamard)
+          hadamard_nvfp4(slot(si), c0, c1, M, K, m0 + rq * 32 + g * 16, k0 + 2 * cp, s_enc[si], key[si]);
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- 2. block pass (blocks taller than one row)
+  bool any_tab = false;
+#pragma unroll
+  for (int si = 0; si < 2; ++si) {
+    const SlotCfg& s = slot(si);
+    if (!blocks_per_tile(s)) continue;
+    any_tab = true;
+    const int nbc = kTile / s.bc, gpb = s.br / 16;
+    const int items = (kTile / s.br) * kTile;
+    for (int idx = t; idx < items; idx += kThreads) {  // warp-uniform trip count (items % 128 == 0)
+      const int gb = idx / kTile, c = idx % kTile;
+      uint32_t am = 0;
+      for (int g = gb * gpb; g < (gb + 1) * gpb; ++g) am = umax(am, colamax[g * kTile + c]);
+      const int w = s.bc < 32 ? s.bc : 32;
+      for (int o = 1; o < w; o <<= 1) am = umax(am, __shfl_xor_sync(0xFFFFFFFFu, am, o));
+      if (s.bc <= 32) {
+        if (c % s.bc == 0) tabs[si][gb * nbc + c / s.bc] = am;
+      } else if ((c & 31) == 0) {
+        atomicMax(&tabs[si][gb], am);
+      }
+    }
+  }
+  if (any_tab) __syncthreads();
+#pragma unroll
+  for (int si = 0; si < 2; ++si) {
+    const SlotCfg& s = slot(si);
+    const int nb = blocks_per_tile(s);
+    if (!nb) continue;
+    const int nbc = kTile / s.bc;
+    const int64_t ld = (K + s.bc - 1) / s.bc, nrows = (M + s.br - 1) / s.br;
+    for (int b = t; b < nb; b += kThreads) {
+      uint32_t bits;
+      float mult = block_params(s, u2f(tabs[si][b]), s_enc[si], bits);
+      const int64_t gr = m0 / s.br + b / nbc, gc = k0 / s.bc + b % nbc;
+      if (gr < nrows && gc < ld) store_scale(s, gr * ld + gc, bits);
+      tabs[si][b] = f2u(mult);
+    }
+  }
+  if (any_tab) __syncthreads();
+
+  // ---- 3. cast pass
+  const int cc = t & 7, rg = t >> 3;
+  const unsigned gmask = 0xFFu << (t & 24);  // the 8 lanes sharing a row
+  const int64_t col0 = k0 + cc * 16;
+  const bool vec = vec_ok && col0 + 16 <= K;
+  // Multipliers of blocks taller than one row: per column for (br x 1) blocks (at most one slot,
+  // the columnwise one), one per thread for 2-D blocks and per-tensor scales.
+  float colm[16], scal[2];
+#pragma unroll
+  for (int j = 0; j < 16; ++j) colm[j] = 1.f;
+#pragma unroll
+  for (int si = 0; si < 2; ++si) {
+    const SlotCfg& s = slot(si);
+    scal[si] = tensor_mult[si];
+    if (!blocks_per_tile(s)) continue;
+    const int gb = (rg * 4) / s.br;
+    if (s.bc == 1) {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) colm[j] = u2f(tabs[si][gb * kTile + cc * 16 + j]);
+    } else {
+      scal[si] = u2f(tabs[si][gb * (kTile / s.bc) + (cc * 16) / s.bc]);
+    }
+  }
+#pragma unroll 1
+  for (int i = 0; i < 4; ++i) {
+    const int r = rg * 4 + i;
+    if (r >= rows_valid) break;  // uniform within each 8-lane row group
+    Chunk<T> ch;
+#pragma unroll
+    for (int q = 0; q < TL::kChunkVecs; ++q)
+      ch.v[q] = *reinterpret_cast<const uint4*>(tile + TL::vec_off(r, cc * TL::kChunkVecs + q));
+    uint32_t am16 = 0;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) am16 = umax(am16, abs_bits(ch.f32(j)));
+    const int64_t row = m0 + r;
+#pragma unroll
+    for (int si = 0; si < 2; ++si) {
+      const SlotCfg& s = slot(si);
+      if (s.kind == kNone || s.hadamard) continue;
+      if (s.br == 1) {  // row blocks of 16 / 32 / 128 along K
+        uint32_t am = am16;
+        for (int o = 1; o < s.bc / 16; o <<= 1) am = umax(am, __shfl_xor_sync(gmask, am, o));
+        uint32_t bits;
+        const float m = block_params(s, u2f(am), s_enc[si], bits);
+        if (cc % (s.bc / 16) == 0 && col0 < K) store_scale(s, row * ((K + s.bc - 1) / s.bc) + col0 / s.bc, bits);
+        if (col0 < K) write_slot_row<T>(s, ch, [&](int) { return m; }, K, row, col0, vec, key[si]);
+      } else if (s.bc == 1) {
+        if (col0 < K) write_slot_row<T>(s, ch, [&](int j) { return colm[j]; }, K, row, col0, vec, key[si]);
+      } else {
+        const float m = scal[si];
+        if (col0 < K) write_slot_row<T>(s, ch, [&](int) { return m; }, K, row, col0, vec, key[si]);
+      }
+    }
+  }
+}
+
+SlotCfg make_cfg(const std::vector<int64_t>& c, const std::vector<at::Tensor>& outs,
+                 const c10::optional<at::Tensor>& amax, const c10::optional<at::Tensor>& seed) {
+  SlotCfg s{};
+  TORCH_CHECK(c.size() == 11, "dtq kernels: slot config needs 11 ints");
+  s.kind = int(c[0]); s.br = int(c[1]); s.bc = int(c[2]); s.e5m2 = int(c[3]); s.pow2 = int(c[4]);
+  s.floor_mode = int(c[5]); s.sr = int(c[6]); s.stream = int(c[7]); s.hadamard = int(c[8]);
+  s.signs = int(c[9]); s.out_dtype = int(c[10]);
+  s.fmax = s.e5m2 ? 57344.f : 448.f;
+  if (s.kind == kNone) return s;
+  const size_t need = s.kind == kNVFP4 ? 3 : (s.kind == kIdentity ? 1 : 2);
+  TORCH_CHECK(outs.size() == need, "dtq kernels: slot kind ", s.kind, " takes ", need, " output tensors");
+  for (auto& o : outs) TORCH_CHECK(o.is_cuda() && o.is_contiguous(), "dtq kernels: outputs must be contiguous CUDA");
+  s.data = outs[0].data_ptr();
+  if (s.kind == kFp8Scaled && s.br == 0) s.tensor_out = outs[1].data_ptr<float>();
+  else if (need >= 2) s.scale = outs[1].data_ptr();
+  if (s.kind == kNVFP4) s.tensor_out = outs[2].data_ptr<float>();
+  if (s.kind == kNVFP4 || (s.kind == kFp8Scaled && s.br == 0)) {
+    TORCH_CHECK(amax.has_value() && amax->scalar_type() == at::kFloat && amax->is_cuda(),
+                "dtq kernels: this slot needs an fp32 CUDA amax");
+    s.amax_in = amax->data_ptr<float>();
+  }
+  if (s.kind == kNVFP4 && s.sr) {
+    TORCH_CHECK(seed.has_value() && seed->scalar_type() == at::kLong && seed->is_cuda(),
+                "dtq kernels: stochastic rounding needs an int64 CUDA seed");
+    s.seed = seed->data_ptr<int64_t>();
+  }
+  return s;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+template <typename T>
+void launch(const at::Tensor& x, const SlotCfg& a, const SlotCfg& b, int vec_ok) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t tiles = ((M + kTile - 1) / kTile) * ((K + kTile - 1) / kTile);
+  TORCH_CHECK(tiles < (int64_t(1) << 31), "dtq kernels: tensor too large");
+  const size_t smem = Tile<T>::kBytes + sizeof(uint32_t) * (kGroups * kTile + blocks_per_tile(a) + blocks_per_tile(b));
+  auto kern = fused_quantize_kernel<T>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  kern<<<unsigned(tiles), kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const T*>(x.data_ptr()), M, K, a, b, vec_ok);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void quantize_fused(const at::Tensor& x, const std::vector<int64_t>& cfg_a, const std::vector<at::Tensor>& outs_a,
+                    const c10::optional<at::Tensor>& amax_a, const std::vector<int64_t>& cfg_b,
+                    const std::vector<at::Tensor>& outs_b, const c10::optional<at::Tensor>& amax_b,
+                    const c10::optional<at::Tensor>& seed) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "dtq kernels: x must be a contiguous 2-D CUDA tensor");
+  if (x.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  SlotCfg a = make_cfg(cfg_a, outs_a, amax_a, seed), b = make_cfg(cfg_b, outs_b, amax_b, seed);
+  const int64_t K = x.size(1);
+  bool vec_ok = K % 16 == 0 && aligned16(x.data_ptr());
+  for (const SlotCfg* s : {&a, &b}) {
+    if (s->kind != kNone) vec_ok = vec_ok && aligned16(s->data);
+    TORCH_CHECK(!s->hadamard || (s->kind == kNVFP4 && s->br == 16 && s->bc == 1),
+                "dtq kernels: the Hadamard transform is for columnwise NVFP4");
+  }
+  TORCH_CHECK(!(a.br > 1 && a.bc == 1 && b.br > 1 && b.bc == 1), "dtq kernels: at most one slot may be columnwise");
+  switch (x.scalar_type()) {
+    case at::kFloat: launch<float>(x, a, b, vec_ok); break;
+    case at::kBFloat16: launch<__nv_bfloat16>(x, a, b, vec_ok); break;
+    case at::kHalf: launch<__half>(x, a, b, vec_ok); break;
+    default: TORCH_CHECK(false, "dtq kernels: unsupported input dtype ", x.scalar_type());
+  }
+}
+
+}  // namespace dtq

@@ -1,0 +1,207 @@
+"""CUDA kernels for quantize / dequantize (sources in ``csrc/``), built on first GPU use.
+
+The pure-PyTorch references in ``dtq/formats`` define the bits; the kernels reproduce them exactly
+and are only a faster path. They are used when the input is a CUDA tensor on an sm_90+ device
+and the extension builds; otherwise (CPU, no nvcc, a build error, or ``DTQ_DISABLE_KERNELS=1``)
+everything runs the references. Nothing here compiles at import time.
+
+Build: ``torch.utils.cpp_extension.load`` (ninja) into ``$DTQ_KERNEL_BUILD_DIR`` or
+``~/.cache/dtq/kernels/<python-torch-cuda>``; ``python -m dtq.kernels build`` does it ahead of time.
+
+Formats reach the kernels only through ``Codec.kernel_spec`` (one :class:`KernelSpec` per
+direction): the fused kernel reads the input once and writes up to two directions' payloads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+# Slot kinds of the fused kernel (csrc/common.cuh SlotKind).
+NONE, FP8_SCALED, MXFP8, NVFP4, IDENTITY = 0, 1, 2, 3, 4
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+INPUT_DTYPES = tuple(_DTYPE_CODE)
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = ("bindings.cpp", "quantize.cu", "amax.cu", "dequantize.cu")
+# fp32 arithmetic must stay exactly the references': no FMA contraction, no fast math.
+CUDA_FLAGS = ("-O3", "-fmad=false", "-gencode=arch=compute_90,code=[sm_90,compute_90]", "-std=c++17")
+
+_lock = threading.Lock()
+_ext = None
+_error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """What the fused kernel must produce for one direction.
+
+    ``fields``: the payload tensors the kernel writes, in the order its kind takes them
+    (data, then block scales, then the per-tensor value), as ``(name, shape, dtype)``.
+    ``block``: rows x cols sharing one scale; ``(0, 0)`` for one scale per tensor.
+    ``hadamard_signs``: for NVFP4 columnwise with the random Hadamard, bit j set iff sign j is -1.
+    """
+
+    kind: int
+    block: tuple[int, int]
+    fields: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+    e5m2: bool = False
+    pow2: bool = False
+    floor: bool = False
+    stochastic: bool = False
+    stream: int = 0
+    hadamard_signs: int | None = None
+    out_dtype: torch.dtype | None = None
+
+    def config(self) -> list[int]:
+        return [self.kind, self.block[0], self.block[1], int(self.e5m2), int(self.pow2), int(self.floor),
+                int(self.stochastic), self.stream, int(self.hadamard_signs is not None), self.hadamard_signs or 0,
+                _DTYPE_CODE.get(self.out_dtype, 0)]
+
+    @property
+    def amax_space(self) -> str:
+        return "hadamard" if self.hadamard_signs is not None else "x"
+
+
+def signs_mask(signs: torch.Tensor) -> int:
+    """The +-1 Hadamard diagonal as the kernels' bit mask (bit j set: sign j is -1)."""
+    return sum(1 << j for j, s in enumerate(signs.tolist()) if s < 0)
+
+
+def build_dir() -> Path:
+    env = os.environ.get("DTQ_KERNEL_BUILD_DIR")
+    if env:
+        return Path(env)
+    tag = f"py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}-cuda{torch.version.cuda}"
+    return Path.home() / ".cache" / "dtq" / "kernels" / tag.replace("+", "_")
+
+
+def disabled() -> bool:
+    return os.environ.get("DTQ_DISABLE_KERNELS", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _load(verbose: bool = False):
+    from torch.utils.cpp_extension import load
+
+    missing = [s for s in SOURCES if not (CSRC / s).is_file()]
+    if missing:
+        raise RuntimeError(f"CUDA sources not found in {CSRC} (missing {missing}); dtq was installed without csrc/")
+    d = build_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    return load(name="dtq_kernels", sources=[str(CSRC / s) for s in SOURCES], extra_cflags=["-O3", "-std=c++17"],
+                extra_cuda_cflags=list(CUDA_FLAGS), build_directory=str(d), verbose=verbose)
+
+
+def extension(verbose: bool = False):
+    """The built extension module, or None after a (once-warned) build failure."""
+    global _ext, _error
+    if _ext is not None or _error is not None:
+        return _ext
+    with _lock:
+        if _ext is None and _error is None:
+            try:
+                _ext = _load(verbose)
+            except Exception as e:  # noqa: BLE001 - any build/import failure means "use the references"
+                _error = f"{type(e).__name__}: {e}"
+                head = "\n".join(str(e).strip().splitlines()[:12])
+                warnings.warn(f"dtq CUDA kernels are unavailable, quantization falls back to the PyTorch "
+                              f"references (slower, same bits). Build error:\n{head}", RuntimeWarning, stacklevel=3)
+    return _ext
+
+
+def build_error() -> str | None:
+    return _error
+
+
+def available(device: torch.device | str | int | None = None) -> bool:
+    """Whether the kernels can run on ``device`` (default: the current CUDA device): a CUDA build of
+    torch, an sm_90+ GPU, kernels not disabled, and the extension built (building it if needed)."""
+    if disabled() or torch.version.cuda is None or not torch.cuda.is_available():
+        return False
+    dev = torch.device("cuda") if device is None else torch.device(device)
+    if dev.type != "cuda":
+        return False
+    if torch.cuda.get_device_capability(dev)[0] < 9:
+        return False
+    return extension() is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points (callers check ``available`` first)
+
+
+def amax(x: torch.Tensor, want_x: bool, hadamard_signs: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(max|x|, max|T x|)`` as fp32 0-dim tensors from one read of the [M, K] CUDA tensor ``x``
+    (each only meaningful when asked for); NaN propagates."""
+    buf = torch.zeros(2, dtype=torch.int32, device=x.device)
+    if hadamard_signs is not None or want_x:
+        extension().amax(x, buf, bool(want_x), -1 if hadamard_signs is None else int(hadamard_signs))
+    f = buf.view(torch.float32)
+    return f[0], f[1]
+
+
+def quantize(x: torch.Tensor, specs: dict[str, KernelSpec], amaxes: dict[str, torch.Tensor],
+             seed: torch.Tensor | None) -> dict[str, dict[str, torch.Tensor]]:
+    """Payloads of up to two directions of the contiguous [M, K] CUDA tensor ``x``, one read.
+    ``amaxes[d]``: fp32 0-dim CUDA tensor for directions whose format needs a tensor amax."""
+    if len(specs) > 2:
+        raise ValueError("the fused kernel writes at most two directions")
+    dirs = list(specs)
+    if seed is not None:
+        seed = seed.to(device=x.device, dtype=torch.int64).reshape(())
+    args, payloads = [], {}
+    for i in range(2):
+        if i < len(dirs):
+            d, spec = dirs[i], specs[dirs[i]]
+            outs = [torch.empty(shape, dtype=dt, device=x.device) for _, shape, dt in spec.fields]
+            payloads[d] = {name: t for (name, _, _), t in zip(spec.fields, outs)}
+            args += [spec.config(), outs, amaxes.get(d)]
+        else:
+            args += [[NONE] + [0] * 10, [], None]
+    extension().quantize_fused(x, *args[0:3], *args[3:6], seed)
+    return payloads
+
+
+def dequantize(spec: KernelSpec, payload: dict[str, torch.Tensor], shape: tuple[int, int],
+               factored: bool = False) -> torch.Tensor | None:
+    """fp32 [M, K] values of one payload, or None where no kernel applies (not CUDA, identity)."""
+    data = payload["data"]
+    if spec.kind not in (FP8_SCALED, MXFP8, NVFP4) or not data.is_cuda or not available(data.device):
+        return None
+    names = [n for n, _, _ in spec.fields]
+    per_tensor = spec.kind == NVFP4 or spec.block == (0, 0)
+    scale = None if spec.block == (0, 0) else payload[names[1]]
+    tensor = payload[names[-1]].to(device=data.device, dtype=torch.float32) if per_tensor else None
+    out = torch.empty(shape, dtype=torch.float32, device=data.device)
+    cfg = [spec.kind, spec.block[0], spec.block[1], int(spec.e5m2), int(spec.hadamard_signs is not None),
+           spec.hadamard_signs or 0, int(factored)]
+    extension().dequantize(data.contiguous().view(torch.uint8),
+                           None if scale is None else scale.contiguous(), tensor, cfg, out)
+    return out
+
+
+def _main(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m dtq.kernels", description="Build dtq's CUDA kernels ahead of time.")
+    p.add_argument("command", choices=["build", "info"])
+    args = p.parse_args(argv)
+    if args.command == "info":
+        print(f"build dir: {build_dir()}\ndisabled: {disabled()}\ntorch CUDA: {torch.version.cuda}")
+        return 0
+    if torch.version.cuda is None:
+        print("this torch has no CUDA support: nothing to build", file=sys.stderr)
+        return 1
+    ext = _load(verbose=True)
+    print(f"built {ext.__file__}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -1,0 +1,243 @@
+"""CUDA kernels (csrc/, dtq.kernels) against the references, bit for bit.
+
+Every payload tensor (codes, block scales, per-tensor values) produced by the fused kernel must
+equal the CPU reference's bits, and the reference run through torch's CUDA ops. Inputs cover
+fp32 / bf16 / fp16, partial edge tiles, tiny tensors, zeros, +-inf, NaN, huge and subnormal
+values and exact rounding midpoints. The CPU test at the end runs everywhere (CI is CPU-only).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dtq
+from dtq import kernels
+from dtq.formats.base import codec_for
+
+SEED = 1234
+
+PLAIN = {
+    "fp8": dtq.Float8Quantizer(),
+    "fp8_e5m2_pow2": dtq.Float8Quantizer(torch.float8_e5m2, pow2_scales=True),
+    "fp8b_1x128": dtq.Float8BlockQuantizer((1, 128)),
+    "fp8b_128x128": dtq.Float8BlockQuantizer((128, 128)),
+    "fp8b_1x128_e5m2_nopow2": dtq.Float8BlockQuantizer((1, 128), torch.float8_e5m2, pow2_scales=False),
+    "mxfp8": dtq.MXFP8Quantizer(),
+    "mxfp8_floor_e5m2": dtq.MXFP8Quantizer(torch.float8_e5m2, scale_rounding="floor"),
+    "nvfp4": dtq.NVFP4Quantizer(),
+    "nvfp4_16x16": dtq.NVFP4Quantizer((16, 16)),
+    "nvfp4_sr": dtq.NVFP4Quantizer(stochastic_rounding=True),
+    "nvfp4_16x16_sr": dtq.NVFP4Quantizer((16, 16), stochastic_rounding=True),
+    "nvfp4_rht": dtq.NVFP4Quantizer(random_hadamard=True, hadamard_seed=5),
+    "nvfp4_rht_sr": dtq.NVFP4Quantizer(stochastic_rounding=True, random_hadamard=True),
+    "identity": dtq.IdentityQuantizer(),
+    "identity_bf16": dtq.IdentityQuantizer(torch.bfloat16),
+    "identity_fp32": dtq.IdentityQuantizer(torch.float32),
+}
+H = dtq.HybridQuantizer
+HYBRID = {
+    "mxfp8/nvfp4_rht_sr": H(rowwise=dtq.MXFP8Quantizer(),
+                            columnwise=dtq.NVFP4Quantizer(stochastic_rounding=True, random_hadamard=True)),
+    "fp8b_1x128/fp8b_128x128": H(rowwise=dtq.Float8BlockQuantizer(), columnwise=dtq.Float8BlockQuantizer((128, 128))),
+    "mxfp8/nvfp4_16x16": H(rowwise=dtq.MXFP8Quantizer(), columnwise=dtq.NVFP4Quantizer((16, 16))),
+    "fp8/mxfp8": H(rowwise=dtq.Float8Quantizer(), columnwise=dtq.MXFP8Quantizer()),
+    "fp8b_1x128/nvfp4_16x16": H(rowwise=dtq.Float8BlockQuantizer(), columnwise=dtq.NVFP4Quantizer((16, 16))),
+    "identity/nvfp4_sr": H(rowwise=dtq.IdentityQuantizer(), columnwise=dtq.NVFP4Quantizer(stochastic_rounding=True)),
+    "nvfp4/identity_bf16": H(rowwise=dtq.NVFP4Quantizer(), columnwise=dtq.IdentityQuantizer(torch.bfloat16)),
+    "fp8b_128x128/identity": H(rowwise=dtq.Float8BlockQuantizer((128, 128)), columnwise=dtq.IdentityQuantizer()),
+    "nvfp4_sr/mxfp8_floor": H(rowwise=dtq.NVFP4Quantizer(stochastic_rounding=True),
+                              columnwise=dtq.MXFP8Quantizer(scale_rounding="floor")),
+    "mxfp8/fp8b_1x128": H(rowwise=dtq.MXFP8Quantizer(), columnwise=dtq.Float8BlockQuantizer()),
+}
+ALL = {**PLAIN, **HYBRID}
+DIRSETS = [(True, False), (False, True), (True, True)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Shapes tried per quantizer; those a direction cannot represent are skipped (see _valid).
+SHAPES = [(256, 384), (96, 160), (288, 416), (130, 200), (1, 7), (5, 300), (257, 129), (16, 16), (32, 32)]
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels need a CUDA GPU (CPU-only here)")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().cpu().contiguous()
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _valid(q, shape, dirs) -> bool:
+    for d, on in zip(dtq.DIRECTIONS, dirs):
+        if on:
+            sub = q.for_direction(d)
+            try:
+                codec_for(sub).check_shape(sub, shape, d)
+            except ValueError:
+                return False
+    return True
+
+
+def _inputs(shape, dtype, gen):
+    m, k = shape
+    base = torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, k)[torch.randperm(k, generator=gen)]
+    out = {"random": base}
+    e = torch.randn(m, k, generator=gen)
+    flat = e.view(-1)
+    n = flat.numel()
+    specials = [float("nan"), float("inf"), -float("inf"), 3.0e38, -1e-40, 1e-45, 0.0, -0.0]
+    for i, v in enumerate(specials):
+        flat[(i * 7919) % n] = v
+    if m >= 32 and k >= 32:
+        e[:32, :32] = 0.0  # all-zero blocks in every format
+    out["specials"] = e
+    # Finite: exact midpoints. Global amax 2688 gives S_enc = 1, a block amax of 6 gives s_b = 1,
+    # so NVFP4 sees the E2M1 midpoints themselves; 448 * 2**-k rows hit FP8 RNE ties.
+    f = torch.randn(m, k, generator=gen) * 1e-3
+    mids = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -2.5, 1.0625, 1.1875, 2688.0, -448.0,
+                         1e-39, -3e-41])
+    fl = f.view(-1)
+    reps = (fl.numel() + mids.numel() - 1) // mids.numel()
+    fl.copy_(torch.where(torch.rand(fl.numel(), generator=gen) < 0.5, mids.repeat(reps)[:fl.numel()], fl))
+    out["midpoints"] = f
+    out["zeros"] = torch.zeros(m, k)
+    return {name: t.to(dtype) for name, t in out.items()}
+
+
+def _compare(a: dtq.QuantizedTensor, b: dtq.QuantizedTensor, what: str):
+    assert a.directions == b.directions, what
+    for d in a.directions:
+        pa, pb = a.payload(d), b.payload(d)
+        assert pa.keys() == pb.keys(), (what, d)
+        for k in pa:
+            assert pa[k].shape == pb[k].shape and pa[k].dtype == pb[k].dtype, (what, d, k)
+            x, y = _bits(pa[k]), _bits(pb[k])
+            if not torch.equal(x, y):
+                bad = (x != y).nonzero()[:5].tolist()
+                raise AssertionError(f"{what}: {d}.{k} differs at {bad} ({int((x != y).sum())} of {x.numel()})")
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    calls = []
+    real = kernels.quantize
+
+    def wrapped(*a, **k):
+        calls.append(a[1])
+        return real(*a, **k)
+
+    monkeypatch.setattr(kernels, "quantize", wrapped)
+    return calls
+
+
+def _reference_on_cuda(q, x, **kw):
+    import os
+
+    old = os.environ.get("DTQ_DISABLE_KERNELS")
+    os.environ["DTQ_DISABLE_KERNELS"] = "1"
+    try:
+        return q.quantize(x, **kw)
+    finally:
+        if old is None:
+            del os.environ["DTQ_DISABLE_KERNELS"]
+        else:
+            os.environ["DTQ_DISABLE_KERNELS"] = old
+
+
+@needs_cuda
+def test_kernels_build_and_are_available():
+    assert kernels.available("cuda"), f"kernels did not build: {kernels.build_error()}"
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", list(ALL))
+def test_quantize_bits_match_reference(name, spy):
+    q = ALL[name]
+    gen = torch.Generator().manual_seed(hash(name) % 2**31)
+    cases = 0
+    for shape in SHAPES:
+        for dtype in DTYPES:
+            for iname, x in _inputs(shape, dtype, gen).items():
+                if iname != "random" and shape not in ((256, 384), (130, 200), (1, 7)):
+                    continue
+                xg = x.cuda()
+                for dirs in DIRSETS:
+                    if not _valid(q, shape, dirs):
+                        continue
+                    kw = dict(rowwise=dirs[0], columnwise=dirs[1], seed=SEED)
+                    what = f"{name} {shape} {dtype} {iname} dirs={dirs}"
+                    n0 = len(spy)
+                    got = q.quantize(xg, **kw)
+                    assert len(spy) == n0 + 1, f"{what}: the kernel path was not taken"
+                    _compare(got, q.quantize(x, **kw), what + " vs CPU reference")
+                    _compare(got, _reference_on_cuda(q, xg, **kw), what + " vs CUDA reference")
+                    cases += 1
+    assert cases > 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ["fp8", "nvfp4", "nvfp4_rht", "fp8/mxfp8", "mxfp8/nvfp4_rht_sr"])
+def test_given_amax_and_seed_tensor(name):
+    q = ALL[name]
+    x = torch.randn(128, 256) * 3
+    amax = {d: torch.tensor(50.0) for d in dtq.DIRECTIONS if codec_for(q.for_direction(d)).needs_amax(q.for_direction(d), d)}
+    amax_nan = {d: torch.tensor(float("nan")) for d in amax}
+    for a in (amax, amax_nan):
+        got = q.quantize(x.cuda(), amax={d: v.cuda() for d, v in a.items()}, seed=torch.tensor(77, device="cuda"))
+        _compare(got, q.quantize(x, amax=a, seed=77), f"{name} amax={a}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", [n for n in ALL if not n.startswith("identity")])
+def test_dequantize_matches_reference(name):
+    q = ALL[name]
+    x = torch.randn(256, 384) * torch.logspace(-2, 2, 384)
+    x[3, 5], x[7, 9] = float("nan"), float("inf")
+    cpu = q.quantize(x, seed=SEED)
+    gpu = cpu.cuda()
+    for d in cpu.directions:
+        sub = q.for_direction(d)
+        codec = codec_for(sub)
+        if codec.kernel_spec(sub, d, (256, 384), torch.float32) is None or codec.name == "identity":
+            continue
+        assert codec.kernel_dequantize(sub, gpu.payload(d), d, (256, 384)) is not None, (name, d)
+        ref = codec.dequantize(sub, cpu.payload(d), d, (256, 384))
+        got = codec.dequantize(sub, gpu.payload(d), d, (256, 384))
+        torch.testing.assert_close(got.cpu(), ref, rtol=0, atol=0, equal_nan=True, msg=f"{name} {d}")
+        rv, rf = codec.dequantize_factored(sub, cpu.payload(d), d, (256, 384))
+        gv, gf = codec.dequantize_factored(sub, gpu.payload(d), d, (256, 384))
+        torch.testing.assert_close(gv.cpu(), rv, rtol=0, atol=0, equal_nan=True, msg=f"{name} {d} factored")
+
+
+@needs_cuda
+def test_large_tensor_many_tiles():
+    q = HYBRID["mxfp8/nvfp4_rht_sr"]
+    x = (torch.randn(2048, 1536) * 10).bfloat16()
+    _compare(q.quantize(x.cuda(), seed=3), q.quantize(x, seed=3), "large hybrid")
+
+
+def test_cpu_loader_reports_unavailable_and_quantize_works(monkeypatch):
+    def no_build(*a, **k):
+        raise AssertionError("nothing may compile for CPU tensors")
+
+    monkeypatch.setattr(kernels, "_load", no_build)
+    assert not kernels.available("cpu")
+    monkeypatch.setenv("DTQ_DISABLE_KERNELS", "1")
+    assert kernels.disabled() and not kernels.available()
+    monkeypatch.delenv("DTQ_DISABLE_KERNELS")
+    if not torch.cuda.is_available():
+        assert not kernels.available()
+    x = torch.randn(64, 128)
+    for name, q in ALL.items():
+        t = q.quantize(x, seed=SEED)
+        assert t.dequantize().shape == x.shape, name
+
+
+def test_kernel_specs_describe_reference_payloads():
+    """Each codec's kernel spec names the reference payload's fields, shapes and dtypes, in order."""
+    x = torch.randn(64, 128)
+    for name, q in PLAIN.items():
+        t = q.quantize(x, seed=SEED)
+        for d in t.directions:
+            sub = q.for_direction(d)
+            spec = codec_for(sub).kernel_spec(sub, d, (64, 128), x.dtype)
+            assert spec is not None, name
+            assert [(n, tuple(s), dt) for n, s, dt in spec.fields] == \
+                [(k, tuple(v.shape), v.dtype) for k, v in t.payload(d).items()], (name, d)
