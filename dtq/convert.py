@@ -28,9 +28,28 @@ def quantize_module_weights(module: QuantizedModule, recipe: Recipe, memo: dict 
         if q is None:
             continue
         with torch.no_grad():
-            qw = q.quantize(w, rowwise=True, columnwise=recipe.backward_override is None)
+            qw = _quantize_weight(q, w, columnwise=recipe.backward_override is None)
         memo[id(w)] = torch.nn.Parameter(qw, requires_grad=w.requires_grad)
         setattr(module, pname, memo[id(w)])
+
+
+def _quantize_weight(q, w: torch.Tensor, columnwise: bool) -> torch.Tensor:
+    """Quantize a weight; a tensor-parallel (DTensor) weight shard by shard, with its tensor-wide
+    amaxes reduced over the mesh so that every shard is the slice of the whole tensor's quantization."""
+    if not hasattr(w, "device_mesh"):
+        return q.quantize(w, rowwise=True, columnwise=columnwise)
+    from torch.distributed.tensor import DTensor, Shard
+
+    from dtq.parallel.tp import reduce_amax
+
+    local = w._local_tensor
+    local = local.__dtq_unwrap__() if hasattr(local, "__dtq_unwrap__") else local
+    amax = q.local_amax(local, rowwise=True, columnwise=columnwise)
+    for dim, placement in enumerate(w.placements):
+        if isinstance(placement, Shard) and amax:
+            amax = reduce_amax(q, local, w.device_mesh.get_group(dim), rowwise=True, columnwise=columnwise, amax=amax)
+    qt = q.quantize(local, rowwise=True, columnwise=columnwise, amax=amax or None)
+    return DTensor.from_local(qt, w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride())
 
 
 def convert(module: torch.nn.Module, *, recipe: Recipe | None = None, quantized_params: bool = False,

@@ -113,7 +113,19 @@ def _save_sharded(rank, world, path, quantized_params):
     m = _shard(_model(0, quantized_params), world)
     with dtq.autocast(_recipe()):
         m(torch.randn(T, H, device=_dev())).sum().backward()  # a gathered, used model saves the same
-    dcp.save(m.state_dict(), checkpoint_id=path)
+    _save(m.state_dict(), path, asynchronous=quantized_params)
+
+
+def _save(state, path, asynchronous: bool) -> None:
+    """dcp.save, or dcp.async_save on its own gloo group (the background write's collectives must
+    not share a communicator with training) awaited before returning; the staged copy is taken
+    before async_save returns, so training may go on meanwhile."""
+    if not asynchronous:
+        dcp.save(state, checkpoint_id=path)
+        return
+    group = dist.new_group(backend="gloo")
+    dcp.async_save(state, checkpoint_id=path, process_group=group).result()
+    dist.destroy_process_group(group)
 
 
 def _load_sharded(rank, world, path, quantized_params):
@@ -179,7 +191,7 @@ def _train_resume(rank, world, path):
     steps(m, opt, range(5))
     # stochastic rounding draws its seeds from the generator of the input's device
     rng_state = (torch.get_rng_state(), torch.cuda.get_rng_state() if _dev().type == "cuda" else None)
-    dcp.save({"model": m.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)
+    _save({"model": m.state_dict(), "optim": opt.state_dict()}, path, asynchronous=True)
     m, opt = fresh()  # a new process would start here
     state = {"model": m.state_dict(), "optim": opt.state_dict()}
     dcp.load(state, checkpoint_id=path)

@@ -27,16 +27,21 @@ def _local(p):
 
 def _like_param(t: torch.Tensor, dparam, rows_global: int | None):
     """A payload field shaped like its parameter: a DTensor with the parameter's placements when
-    the parameter is one (row fields sharded on dim 0, per-tensor fields replicated)."""
+    the parameter is one (row fields sharded like dim 0, column fields like dim 1 under tensor
+    parallelism, per-tensor fields replicated)."""
     if dparam is None:
         return t
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    mesh = dparam.device_mesh
     if rows_global is None:
-        return DTensor.from_local(t, dparam.device_mesh, [Replicate()] * dparam.device_mesh.ndim, run_check=False)
-    shape = (rows_global, *t.shape[1:])
+        return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    shape = [rows_global, *t.shape[1:]]
+    for i, placement in enumerate(dparam.placements):
+        if isinstance(placement, Shard) and placement.dim > 0:  # dim 0 is known exactly (uneven shards)
+            shape[placement.dim] *= mesh.size(i)
     stride = tuple(int(torch.Size(shape[i + 1:]).numel()) for i in range(len(shape)))
-    return DTensor.from_local(t, dparam.device_mesh, dparam.placements, run_check=False, shape=shape, stride=stride)
+    return DTensor.from_local(t, mesh, dparam.placements, run_check=False, shape=tuple(shape), stride=stride)
 
 
 def weight_entries(name: str, param: torch.Tensor) -> dict:

@@ -11,6 +11,7 @@ from torch.autograd.function import once_differentiable
 
 from dtq.formats import COLUMNWISE, ROWWISE, Quantizer
 from dtq.gemm import Operand, mm
+from dtq.parallel import tp
 from dtq.recipe import QuantizerRole
 from dtq.tensor import QuantizedTensor
 
@@ -29,11 +30,13 @@ class Slot:
     last_amax: torch.Tensor | None = None
 
     @torch.no_grad()
-    def _delayed_amax(self, x: torch.Tensor, replay: bool) -> torch.Tensor:
+    def _delayed_amax(self, x: torch.Tensor, replay: bool, group=None) -> torch.Tensor:
         if replay and self.last_amax is not None:
             return self.last_amax  # a recompute sees the forward's scale; the history moves once
         hist = getattr(self.owner(), self.history)  # looked up each time: .to()/.cuda() replace buffers
         cur = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+        if group is not None:  # a sequence-parallel shard: the history tracks the whole tensor
+            torch.distributed.all_reduce(cur, op=torch.distributed.ReduceOp.MAX, group=group)
         past = hist[0] if self.most_recent else hist.amax()
         amax = torch.where(past > 0, past, cur.to(hist.device)) * (2.0 ** self.margin)  # first step: current
         hist.copy_(torch.roll(hist, 1))
@@ -41,24 +44,34 @@ class Slot:
         self.last_amax = amax
         return amax
 
-    def quantize(self, x: torch.Tensor, rowwise: bool, columnwise: bool, replay: bool = False) -> torch.Tensor:
+    def quantize(self, x: torch.Tensor, rowwise: bool, columnwise: bool, replay: bool = False,
+                 group=None) -> torch.Tensor:
+        """``x`` quantized into the requested directions; with a ``group``, ``x`` is this rank's
+        sequence-parallel shard and the result is the gathered whole (DESIGN 5: quantized, with
+        scales agreed across the group)."""
+        if group is not None and self.quantizer is None:
+            return tp.gather_rows(x, group, reason=f"the recipe gives no quantizer for {self.role}")
         if self.quantizer is None or not (rowwise or columnwise):
             return x
-        amax = self._delayed_amax(x, replay) if self.history is not None else None
+        amax = self._delayed_amax(x, replay, group) if self.history is not None else None
         try:
-            return self.quantizer.quantize(x, rowwise=rowwise, columnwise=columnwise, amax=amax)
+            if group is None:
+                return self.quantizer.quantize(x, rowwise=rowwise, columnwise=columnwise, amax=amax)
+            dirs = [d for d, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if on]
+            return tp.gather_along_first_dim(x, group, self.quantizer, rowwise=rowwise, columnwise=columnwise,
+                                             amax=None if amax is None else {d: amax for d in dirs})
         except ValueError as e:
             raise ValueError(f"{self.role}: {e}") from None
 
 
-def _save(ctx, *objs) -> None:
+def _save(ctx, *objs, keep: tuple = ()) -> None:
     """save_for_backward with QuantizedTensors taken apart into their plain payload tensors, so
     saved-tensor hooks (torch.autograd.graph.save_on_cpu, dtq's offload) move payloads as
-    payloads: at their quantized size, bit for bit. A quantized *parameter* is kept as the object
-    (an FSDP2 backward gather refills it)."""
+    payloads: at their quantized size, bit for bit. Objects in ``keep`` (a quantized weight
+    parameter, whose payloads an FSDP2 backward gather refills) are kept as they are."""
     flat, specs, index = [], [], {}
     for o in objs:
-        if isinstance(o, QuantizedTensor) and not isinstance(o, torch.nn.Parameter) and not getattr(o, "_is_param", False):
+        if isinstance(o, QuantizedTensor) and not any(o is k for k in keep):
             fields = []
             for d in o.directions:
                 for k, v in o.payload(d).items():
@@ -107,39 +120,72 @@ def _hp(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.__dtq_unwrap__().to(dtype) if hasattr(t, "__dtq_unwrap__") else t.to(dtype)
 
 
+def _local_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel (DTensor) weight's local shard: the very object FSDP2 refills."""
+    return weight._local_tensor if hasattr(weight, "_local_tensor") and hasattr(weight, "device_mesh") else weight
+
+
+def _rows_shape(x_shape: torch.Size, rows: int, n: int) -> tuple[int, ...]:
+    """``x_shape`` with its leading dim resized so the whole holds ``rows`` rows, last dim ``n``."""
+    inner = 1
+    for s in x_shape[1:-1]:
+        inner *= s
+    return (rows // inner, *x_shape[1:-1], n) if len(x_shape) > 1 else (n,)
+
+
 class LinearFn(torch.autograd.Function):
     """``y = x @ W.T + b`` with x quantized by ``sx``, W by ``sw`` (unless it is already a
     QuantizedTensor parameter) and dy by ``sg``. ``need_dgrad`` / ``need_wgrad`` say which
-    gradients backward will compute (grad mode included), so no payload is built in vain."""
+    gradients backward will compute (grad mode included), so no payload is built in vain.
+
+    Under tensor parallelism (``tp``, a :class:`dtq.parallel.tp.TPSpec`, over ``group``) the
+    weight is this rank's shard (a DTensor's local tensor); with sequence parallelism a column
+    GEMM gathers its input quantized and reduce-scatters dx, a row GEMM reduce-scatters its output
+    and gathers dy quantized (the two gathers whose payloads the GEMMs consume)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, sx: Slot, sw: Slot, sg: Slot, override: str | None,
-                need_dgrad: bool, need_wgrad: bool, replay: bool, name: str):
+                need_dgrad: bool, need_wgrad: bool, replay: bool, name: str, tp_spec=None, group=None):
+        wl = _local_weight(weight)
         x2 = x.reshape(-1, x.shape[-1])
+        gather = group if tp_spec is not None and tp_spec.gathers_input else None
         bwd_cols = override is None
-        xq = sx.quantize(x2, rowwise=True, columnwise=bwd_cols and need_wgrad, replay=replay)
-        if isinstance(weight, QuantizedTensor):
-            wq = weight
+        if gather is not None and override == "high_precision":
+            x2 = tp.gather_rows(x2, gather)  # this override keeps the whole high-precision input
+            xq = sx.quantize(x2, rowwise=True, columnwise=False, replay=replay)
         else:
-            wq = sw.quantize(weight, rowwise=True, columnwise=bwd_cols and need_dgrad, replay=replay)
+            xq = sx.quantize(x2, rowwise=True, columnwise=bwd_cols and need_wgrad, replay=replay, group=gather)
+            if gather is not None and not isinstance(xq, QuantizedTensor):
+                x2 = xq  # gathered in high precision (no quantizer for the input)
+        if isinstance(wl, QuantizedTensor):
+            wq = wl
+        else:
+            wq = sw.quantize(wl, rowwise=True, columnwise=bwd_cols and need_dgrad, replay=replay)
         y = mm(Operand(xq, ROWWISE), Operand(wq, ROWWISE, transpose=True), torch.float32)
         if bias is not None:
-            y = y + bias.to(torch.float32)
+            y = y + _local_weight(bias).to(torch.float32)
         if override is None:
             saved_x, saved_w = _keep(xq, COLUMNWISE), _keep(wq, COLUMNWISE)
         elif override == "high_precision":
-            saved_x, saved_w = x2, weight
+            saved_x, saved_w = x2, wl
         else:  # "dequantized": exactly the forward operands
             saved_x, saved_w = _keep(xq, ROWWISE), _keep(wq, ROWWISE)
-        if isinstance(weight, QuantizedTensor):
+        if isinstance(wl, QuantizedTensor):
             # A quantized weight parameter is kept as the object itself: under FSDP2 its payloads
             # are refilled by the backward all-gather (columnwise, or what the override needs).
-            saved_w = weight
-        _save(ctx, saved_x if need_wgrad else None, saved_w if need_dgrad else None)
+            saved_w = wl
+        _save(ctx, saved_x if need_wgrad else None, saved_w if need_dgrad else None, keep=(wl,))
         ctx.sg, ctx.override, ctx.name = sg, override, name
         ctx.need = (need_dgrad, need_wgrad, bias is not None and bias.requires_grad)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
-        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+        ctx.tp, ctx.group = tp_spec, group
+        ctx.w_spec = (weight.device_mesh, weight.placements, weight.shape, weight.stride()) if wl is not weight else None
+        ctx.b_spec = (bias.device_mesh, bias.placements, bias.shape, bias.stride()) \
+            if bias is not None and _local_weight(bias) is not bias else None
+        y = y.to(x.dtype)
+        if tp_spec is not None and tp_spec.scatters_output:
+            y = tp.reduce_scatter_rows(y, group)
+        return y.reshape(_rows_shape(x.shape, y.shape[0], y.shape[-1]))
 
     @staticmethod
     @once_differentiable
@@ -147,9 +193,10 @@ class LinearFn(torch.autograd.Function):
         saved_x, saved_w = _load(ctx)
         need_dgrad, need_wgrad, need_bgrad = ctx.need
         dy2 = dy.reshape(-1, dy.shape[-1])
+        scatter = ctx.group if ctx.tp is not None and ctx.tp.scatters_output else None
         dx = dw = db = None
         if ctx.override is None:
-            gq = ctx.sg.quantize(dy2, rowwise=need_dgrad, columnwise=need_wgrad)
+            gq = ctx.sg.quantize(dy2, rowwise=need_dgrad, columnwise=need_wgrad, group=scatter)
             if need_dgrad:
                 if isinstance(saved_w, QuantizedTensor) and not saved_w.has(COLUMNWISE):
                     raise RuntimeError(f"dtq: {ctx.name}: the weight has no columnwise payload for dgrad (it holds "
@@ -159,28 +206,43 @@ class LinearFn(torch.autograd.Function):
             if need_wgrad:
                 dw = mm(Operand(gq, COLUMNWISE, transpose=True), Operand(saved_x, COLUMNWISE), torch.float32)
                 dw = dw.to(ctx.w_dtype)
-        elif ctx.override == "high_precision":
-            # Same products, in the same order and dtype, as torch's own linear backward, so that
-            # the gradients are bitwise those of the unquantized module.
-            if need_dgrad:
-                dx = dy2.mm(_hp(saved_w, dy.dtype)).to(ctx.x_dtype)
-            if need_wgrad:
-                dw = _hp(saved_x, dy.dtype).t().mm(dy2).t().to(ctx.w_dtype)
         else:
-            # "dequantized": the forward's operand values exactly (fp32; they need not fit in bf16).
-            g = dy2.float()
-            if need_dgrad:
-                dx = g.mm(saved_w.dequantize(torch.float32, direction=ROWWISE) if isinstance(saved_w, QuantizedTensor)
-                          else _hp(saved_w, torch.float32)).to(ctx.x_dtype)
-            if need_wgrad:
-                xd = (saved_x.dequantize(torch.float32, direction=ROWWISE) if isinstance(saved_x, QuantizedTensor)
-                      else _hp(saved_x, torch.float32))
-                dw = xd.t().mm(g).t().to(ctx.w_dtype)
+            if scatter is not None:
+                dy2 = tp.gather_rows(dy2, scatter)  # the overrides use the high-precision gradient
+            if ctx.override == "high_precision":
+                # Same products, in the same order and dtype, as torch's own linear backward, so that
+                # the gradients are bitwise those of the unquantized module.
+                if need_dgrad:
+                    dx = dy2.mm(_hp(saved_w, dy.dtype)).to(ctx.x_dtype)
+                if need_wgrad:
+                    dw = _hp(saved_x, dy.dtype).t().mm(dy2).t().to(ctx.w_dtype)
+            else:
+                # "dequantized": the forward's operand values exactly (fp32; they need not fit in bf16).
+                g = dy2.float()
+                if need_dgrad:
+                    dx = g.mm(saved_w.dequantize(torch.float32, direction=ROWWISE)
+                              if isinstance(saved_w, QuantizedTensor) else _hp(saved_w, torch.float32)).to(ctx.x_dtype)
+                if need_wgrad:
+                    xd = (saved_x.dequantize(torch.float32, direction=ROWWISE) if isinstance(saved_x, QuantizedTensor)
+                          else _hp(saved_x, torch.float32))
+                    dw = xd.t().mm(g).t().to(ctx.w_dtype)
         if need_bgrad:
-            db = dy2.sum(0)
+            db = _as_param_grad(dy2.sum(0), ctx.b_spec)
         if dx is not None:
+            if ctx.tp is not None and ctx.tp.gathers_input:
+                dx = tp.reduce_scatter_rows(dx, ctx.group)
             dx = dx.reshape(ctx.x_shape)
-        return dx, dw, db, None, None, None, None, None, None, None, None
+        return dx, _as_param_grad(dw, ctx.w_spec), db, None, None, None, None, None, None, None, None, None, None
+
+
+def _as_param_grad(g: torch.Tensor | None, spec) -> torch.Tensor | None:
+    """The gradient of a DTensor parameter is a DTensor with the parameter's placements."""
+    if g is None or spec is None:
+        return g
+    from torch.distributed.tensor import DTensor
+
+    mesh, placements, shape, stride = spec
+    return DTensor.from_local(g, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 class DequantizeWeight(torch.autograd.Function):

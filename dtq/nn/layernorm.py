@@ -6,12 +6,19 @@ import torch
 import torch.nn.functional as F
 
 from dtq.nn.module import QuantizedModule, init_bias, init_weight
+from dtq.parallel import tp
 
 NORMS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "swiglu")
 
 
 class _Norm(torch.nn.Module):
+    # Under tensor parallelism (dtq.parallel styles) the parameters are replicated DTensors on
+    # this mesh; with sequence parallelism each rank normalizes its own rows, so their gradients
+    # are summed over the group.
+    _dtq_tp_mesh = None
+    _dtq_reduce_grads = False
+
     def __init__(self, kind: str, hidden: int, eps: float, dtype, device):
         super().__init__()
         if kind not in NORMS:
@@ -21,9 +28,14 @@ class _Norm(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.zeros(hidden, dtype=dtype, device=device)) if kind == "LayerNorm" else None
 
     def forward(self, x):
+        w, b = self.weight, self.bias
+        if self._dtq_tp_mesh is not None:
+            group = self._dtq_tp_mesh.get_group() if self._dtq_reduce_grads else None
+            w = tp.local_param(w, group)
+            b = None if b is None else tp.local_param(b, group)
         if self.kind == "LayerNorm":
-            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
-        return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+            return F.layer_norm(x, x.shape[-1:], w, b, self.eps)
+        return F.rms_norm(x, x.shape[-1:], w, self.eps)
 
 
 class LayerNormLinear(QuantizedModule):
@@ -44,14 +56,24 @@ class LayerNormLinear(QuantizedModule):
 class LayerNormMLP(QuantizedModule):
     """``fc2(act(fc1(norm(x))))`` with ``activation`` "gelu" or "swiglu" (fc1 then has
     ``2 * ffn_hidden`` outputs: ``silu(a) * b``). Its two GEMMs get the role names ``name + ".fc1"``
-    and ``name + ".fc2"``."""
+    and ``name + ".fc2"``.
+
+    SwiGLU's fc1 rows are the gate half ``a`` then the up half ``b``, unless ``swiglu_interleave=B``:
+    then gate and up alternate in blocks of B rows (``a_0, b_0, a_1, b_1, ...``), so that any
+    contiguous row shard of ``2B``-multiples holds matching gate/up pairs — what tensor
+    parallelism (``dtq.parallel.LayerNormMLPParallel``) needs, at every TP size."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, bias: bool = True, *, normalization: str = "LayerNorm",
                  activation: str = "gelu", eps: float = 1e-5, params_dtype: torch.dtype | None = None,
-                 device=None, name: str = ""):
+                 device=None, name: str = "", swiglu_interleave: int | None = None):
         super().__init__(name)
         if activation not in ACTIVATIONS:
             raise ValueError(f"LayerNormMLP: activation={activation!r}; use one of {ACTIVATIONS}")
+        if swiglu_interleave is not None and (activation != "swiglu" or swiglu_interleave < 1
+                                              or ffn_hidden_size % swiglu_interleave):
+            raise ValueError(f"LayerNormMLP: swiglu_interleave={swiglu_interleave} needs activation='swiglu' and "
+                             f"must divide ffn_hidden_size={ffn_hidden_size}")
+        self.swiglu_interleave = swiglu_interleave
         dtype = params_dtype or torch.get_default_dtype()
         self.activation = activation
         fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
@@ -70,7 +92,11 @@ class LayerNormMLP(QuantizedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self._linear(self.norm(x), self.fc1_weight, self.fc1_bias, gemm=0)
         if self.activation == "swiglu":
-            a, b = h.chunk(2, dim=-1)
+            if self.swiglu_interleave is None:
+                a, b = h.chunk(2, dim=-1)
+            else:
+                pairs = h.unflatten(-1, (-1, 2, self.swiglu_interleave))
+                a, b = pairs.select(-2, 0).flatten(-2), pairs.select(-2, 1).flatten(-2)
             h = F.silu(a) * b
         else:
             h = F.gelu(h, approximate="tanh")

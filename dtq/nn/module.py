@@ -8,7 +8,8 @@ import torch
 
 from dtq.autocast import active_recipe
 from dtq.checkpoint.state_dict import SEP, check_weight, weight_entries, weight_meta
-from dtq.nn._linear_fn import DequantizeWeight, LinearFn, Slot
+from dtq.nn._linear_fn import DequantizeWeight, LinearFn, Slot, _local_weight
+from dtq.parallel import tp
 from dtq.parallel._torch_private import in_backward, inside_checkpoint_forward
 from dtq.parallel.fsdp import HighPrecisionWeight
 from dtq.recipe import QuantizerRole, Recipe
@@ -25,6 +26,9 @@ class QuantizedModule(torch.nn.Module):
     and ``grad_input`` have no consumer inside the module and get None."""
 
     module_type = "linear"
+    # Tensor parallelism (set by dtq.parallel's styles): {gemm index: TPSpec} and the TP mesh.
+    _dtq_tp: dict | None = None
+    _dtq_tp_mesh = None
 
     def __init__(self, name: str = ""):
         super().__init__()
@@ -148,9 +152,13 @@ class QuantizedModule(torch.nn.Module):
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemm: int = 0) -> torch.Tensor:
         name = f"{type(self).__name__} {self.name!r}{self.gemm_suffixes()[gemm]}"
-        if x.shape[-1] != weight.shape[-1]:
+        spec = self._dtq_tp.get(gemm) if self._dtq_tp else None  # set by dtq.parallel's TP styles
+        group = self._dtq_tp_mesh.get_group() if spec is not None else None
+        in_features = _local_weight(weight).shape[-1]
+        if x.shape[-1] != in_features:
             raise ValueError(f"{name}: input of shape {list(x.shape)} has last dim {x.shape[-1]}, but the weight "
-                             f"{list(weight.shape)} expects {weight.shape[-1]} input features")
+                             f"{list(_local_weight(weight).shape)} expects {in_features} input features"
+                             + (" (this rank's tensor-parallel shard)" if spec is not None else ""))
         replay = in_backward()  # a forward run by backward is a recompute (torch.utils.checkpoint)
         recipe = active_recipe()
         if replay and recipe is None:
@@ -160,17 +168,45 @@ class QuantizedModule(torch.nn.Module):
             # (dtq.parallel.fsdp): the recipe in use, and whether backward will recompute.
             self._dtq_recipe = recipe
             self._dtq_recompute = inside_checkpoint_forward() or (not torch.is_grad_enabled() and weight.requires_grad)
+        row_bias = None
+        if spec is not None:
+            if spec.kind == "column" and not spec.sequence_parallel:
+                x = tp.CopyToTP.apply(x, group)  # replicated input: dx sums over the group
+            if spec.kind == "row":
+                bias, row_bias = None, bias  # added once, after the partial outputs are summed
         if recipe is None:
-            if isinstance(weight, QuantizedTensor):
-                weight = DequantizeWeight.apply(weight, x.dtype)
-            return torch.nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
-        sx, sw, sg = self._slots(recipe, gemm)
-        if isinstance(weight, QuantizedTensor) and sw.quantizer is not None and weight.quantizer != sw.quantizer:
-            warn_once(f"qparam-recipe:{id(self)}", f"dtq: {name} holds a weight quantized as {weight.quantizer!r}; it is "
-                      f"used as stored, not requantized to the recipe's {sw.quantizer!r}")
-        grad = torch.is_grad_enabled()
-        return LinearFn.apply(x, weight, bias, sx, sw, sg, recipe.backward_override,
-                              grad and x.requires_grad, grad and weight.requires_grad, replay, name)
+            y = self._high_precision_linear(x, weight, bias, spec, group)
+        else:
+            sx, sw, sg = self._slots(recipe, gemm)
+            w_local = _local_weight(weight)
+            if isinstance(w_local, QuantizedTensor) and sw.quantizer is not None and w_local.quantizer != sw.quantizer:
+                warn_once(f"qparam-recipe:{id(self)}", f"dtq: {name} holds a weight quantized as {w_local.quantizer!r}; "
+                          f"it is used as stored, not requantized to the recipe's {sw.quantizer!r}")
+            grad = torch.is_grad_enabled()
+            y = LinearFn.apply(x, weight, bias, sx, sw, sg, recipe.backward_override,
+                               grad and x.requires_grad, grad and weight.requires_grad, replay, name, spec, group)
+        if spec is not None and spec.kind == "row":
+            if not spec.sequence_parallel:
+                y = tp.ReduceFromTP.apply(y, group)
+            if row_bias is not None:
+                y = y + tp.local_param(row_bias, group if spec.sequence_parallel else None).to(y.dtype)
+        return y
+
+    @staticmethod
+    def _high_precision_linear(x, weight, bias, spec, group):
+        """The GEMM without a recipe (outside ``dtq.autocast``): torch's linear, with the
+        tensor-parallel communication in high precision."""
+        if hasattr(weight, "device_mesh"):
+            weight = weight.to_local()
+        if isinstance(weight, QuantizedTensor):
+            weight = DequantizeWeight.apply(weight, x.dtype)
+        if spec is not None and spec.gathers_input:
+            x = tp.GatherFromSP.apply(x, group)
+        b = None if bias is None else tp.local_param(bias, None).to(x.dtype)
+        y = torch.nn.functional.linear(x, weight.to(x.dtype), b)
+        if spec is not None and spec.scatters_output:
+            y = tp.ScatterToSP.apply(y, group)
+        return y
 
     def reset_parameters(self) -> None:
         """nn.Linear's initialization for every GEMM weight and bias (for meta-device init)."""
