@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch
 
+from dtq.checkpoint.state_dict import make_loading_atomic
 from dtq.nn.linear import Linear
 from dtq.nn.module import QuantizedModule, as_weight
 from dtq.recipe import Recipe
@@ -60,7 +61,8 @@ def convert(module: torch.nn.Module, *, recipe: Recipe | None = None, quantized_
     optimizer after converting), the same bias parameter, hooks and train/eval mode; a Linear
     reachable under two names is converted once. ``module_filter_fn(module, fqn)`` returning
     False keeps a Linear as it is. ``quantized_params=True`` makes the weights of every dtq module
-    QuantizedTensor parameters quantized by ``recipe`` (tied weights stay tied). Returns the
+    QuantizedTensor parameters quantized by ``recipe`` (tied weights stay tied). The returned
+    model's ``load_state_dict`` checks every dtq weight before loading any. Returns the
     module (a new one if ``module`` itself was a Linear)."""
     if recipe is not None and not quantized_params:
         raise ValueError("dtq.convert(recipe=...) is used to quantize weights with quantized_params=True; without it, "
@@ -98,4 +100,5 @@ def convert(module: torch.nn.Module, *, recipe: Recipe | None = None, quantized_
         for m in module.modules():
             if isinstance(m, QuantizedModule):
                 quantize_module_weights(m, recipe, memo)
+    make_loading_atomic(module)
     return module

@@ -3,10 +3,13 @@ loads them bit for bit (also resharded), resumes training bitwise, and refuses m
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -66,7 +69,7 @@ def test_single_process_round_trip(tmp_path, quantized_params):
     a = _model(0, quantized_params)
     sd = a.state_dict()
     if quantized_params:  # codes, not values: payload entries, and no dequantized weight
-        assert "out.weight" not in {k.replace("1.", "out.") for k in sd} and any("._payload.rowwise.data" in k for k in sd)
+        assert "out.weight" not in {k.replace("1.", "out.") for k in sd} and any(k.startswith("1.weight._payload.rowwise.mxfp8-") and k.endswith(".data") for k in sd)
     dcp.save(sd, checkpoint_id=str(tmp_path / "dcp"))
     b = _model(1, quantized_params)
     sd_b = b.state_dict()
@@ -79,26 +82,51 @@ def test_single_process_round_trip(tmp_path, quantized_params):
     _same_weights(a, c)
 
 
+def _snapshot(model):
+    return {n: (p.dequantize() if isinstance(p, dtq.QuantizedTensor) else p.detach()).clone()
+            for n, p in model.named_parameters()}
+
+
+def _mismatches(src: dict):
+    """(name, recipe of the target model, mutation of the source state dict, expected error)."""
+    key = next(k for k in src if k.startswith("1.weight._payload.rowwise.") and k.endswith(".data"))
+    return [
+        ("wrong format", dtq.MXFP8BlockScaling(), None, r"holds it quantized as HybridQuantizer.*the model as MXFP8Quantizer"),
+        ("missing key", None, lambda sd: sd.pop(key.replace(".data", ".scale")), r"missing from the checkpoint"),
+        ("shape mismatch", None, lambda sd: sd.__setitem__(key, sd[key][:64]), r"the checkpoint has \[64, 128\]"),
+    ]
+
+
 def test_mismatched_checkpoints_raise_and_leave_the_model_untouched(tmp_path):
     src = _model(0, True).state_dict()
-    for name, mutate, match in [
-        ("wrong format", None, r"holds it quantized as HybridQuantizer.*the model as MXFP8Quantizer"),
-        ("missing key", lambda sd: sd.pop("1.weight._payload.rowwise.scale"), r"missing from the checkpoint"),
-        ("shape mismatch", lambda sd: sd.__setitem__("1.weight._payload.rowwise.data",
-                                                     sd["1.weight._payload.rowwise.data"][:64]), r"the checkpoint has \[64, 128\]"),
-    ]:
+    for name, recipe, mutate, match in _mismatches(src):
         sd = dict(src)
-        target = _model(5, True, dtq.MXFP8BlockScaling() if name == "wrong format" else None)
+        target = _model(5, True, recipe)
         if mutate is not None:
             mutate(sd)
-        before = {n: (p.dequantize() if isinstance(p, dtq.QuantizedTensor) else p.detach()).clone()
-                  for n, p in target.named_parameters()}
+        before = _snapshot(target)
         with pytest.raises(RuntimeError, match=match):
             target.load_state_dict(sd)
-        for n, p in target.named_parameters():
-            if n.startswith("1."):  # the module with the bad entry is untouched
-                now = p.dequantize() if isinstance(p, dtq.QuantizedTensor) else p.detach()
-                assert torch.equal(now, before[n]), (name, n)
+        for n, p in _snapshot(target).items():  # every module untouched, not only the one that failed
+            assert torch.equal(p, before[n]), (name, n)
+
+
+def test_mismatched_dcp_checkpoints_fail_before_writing(tmp_path):
+    """dcp.load writes into the live payloads: a checkpoint of another format (other keys) or
+    another shape must stop at planning, before any byte lands."""
+    src = _model(0, True)
+    dcp.save(src.state_dict(), checkpoint_id=str(tmp_path / "hybrid"))
+    for name, target in [("wrong format", _model(5, True, dtq.MXFP8BlockScaling())),
+                         ("wrong shape", dtq.convert(torch.nn.Sequential(dtq.nn.LayerNormMLP(H, F, activation="swiglu"),
+                                                                         dtq.nn.Linear(H, 2 * H)),
+                                                     recipe=_recipe(), quantized_params=True))]:
+        before = _snapshot(target)
+        with pytest.raises(CheckpointException) as failure:  # DCP wraps the planner's error per rank
+            dcp.load(target.state_dict(), checkpoint_id=str(tmp_path / "hybrid"))
+        assert re.search(r"Missing key in checkpoint state_dict: 0\.fc1_weight\._payload\.\w+\.mxfp8-|Size mismatch",
+                         repr(failure.value) + str(failure.value)), repr(failure.value)
+        for n, p in _snapshot(target).items():
+            assert torch.equal(p, before[n]), (name, n)
 
 
 def _shard(m, world):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dtq.checkpoint.state_dict import SEP
+from dtq.checkpoint.state_dict import entry_key
 from dtq.tensor import QuantizedTensor
 
 
@@ -38,7 +38,7 @@ def _full_quantized(name: str, param: torch.Tensor, entries: dict) -> QuantizedT
     payloads: dict = {}
     for d in local.directions:
         for k in local.payload(d):
-            payloads.setdefault(d, {})[k] = _full(entries[f"{name}{SEP}{d}.{k}"])
+            payloads.setdefault(d, {})[k] = _full(entries[entry_key(name, local.quantizer, d, k)])
     return QuantizedTensor(param.shape, local.dtype, local.quantizer, payloads)
 
 

@@ -1,7 +1,10 @@
 """State dicts of dtq GEMM weights: codes, not values (DESIGN 5.6).
 
 A high-precision weight (``HighPrecisionWeight``) is saved as its plain data. A quantized weight
-is saved as its payload tensors, one entry per field, ``<name>._payload.<direction>.<field>``;
+is saved as its payload tensors, one entry per field, ``<name>._payload.<direction>.<tag>.<field>``
+where ``tag`` names the direction's format and a digest of its settings (``mxfp8-1a2b3c``): a
+checkpoint of another format then has other keys, so ``dcp.load`` stops at planning, before it
+writes a byte into the model;
 row-structured fields keep the parameter's sharding (a DTensor sharded on dim 0 under FSDP2),
 so ``torch.distributed.checkpoint`` reshards them by rows when loaded on another world size.
 The quantizer, dtype and shape go into the module's extra state, so loading can check that the
@@ -11,12 +14,24 @@ payloads: ``dcp.load`` writes codes straight into the parameters.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from dtq.formats import codec_for
 from dtq.tensor import QuantizedTensor
 
 SEP = "._payload."
+
+
+def format_tag(quantizer) -> str:
+    """``<format>-<6 hex digits of the settings>``: stable across processes and torch versions."""
+    return f"{quantizer.format_name}-{hashlib.sha1(repr(quantizer).encode()).hexdigest()[:6]}"
+
+
+def entry_key(name: str, quantizer, direction: str, field: str) -> str:
+    """The state-dict key of one payload field of the quantized weight ``name``."""
+    return f"{name}{SEP}{direction}.{format_tag(quantizer.for_direction(direction))}.{field}"
 
 
 def _local(p):
@@ -59,7 +74,7 @@ def weight_entries(name: str, param: torch.Tensor) -> dict:
         fields = codec_for(sub).fields(sub, d)
         for k, v in local.payload(d).items():
             rows = None if fields[k] is None else -(-global_rows // fields[k])
-            out[f"{name}{SEP}{d}.{k}"] = _like_param(v, dparam, rows)
+            out[entry_key(name, q, d, k)] = _like_param(v, dparam, rows)
     return out
 
 
@@ -84,7 +99,7 @@ def check_weight(name: str, param: torch.Tensor, state_dict: dict, meta: dict | 
     pairs = []
     for d in local.directions:
         for k, v in local.payload(d).items():
-            key = f"{name}{SEP}{d}.{k}"
+            key = entry_key(name, local.quantizer, d, k)
             if key not in state_dict:
                 have = sorted(x for x in state_dict if x.startswith(name))
                 errors.append(f"{key}: missing from the checkpoint (entries for {name}: {have})")
@@ -97,3 +112,37 @@ def check_weight(name: str, param: torch.Tensor, state_dict: dict, meta: dict | 
                 continue
             pairs.append((v, src_local))
     return pairs
+
+
+def check_state_dict(model: torch.nn.Module, state_dict: dict, prefix: str = "") -> None:
+    """Check every quantized weight of ``model`` against ``state_dict`` (format, presence, shape,
+    dtype) and raise one error listing all problems, before anything is loaded. ``dtq.convert``
+    installs it as a load-state-dict pre-hook of the model it returns, so that a mismatch in any
+    module leaves the whole model untouched."""
+    from dtq.nn.module import QuantizedModule
+
+    errors: list[str] = []
+    for mname, m in model.named_modules():
+        if not isinstance(m, QuantizedModule):
+            continue
+        base = f"{prefix}{mname}." if mname else prefix
+        meta = state_dict.get(base + "_extra_state") or {}
+        for w in m.weight_names():
+            p = m._parameters.get(w)
+            if p is not None:
+                check_weight(base + w, p, state_dict, meta.get(w) if isinstance(meta, dict) else None, errors)
+    if errors:
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__} (nothing was loaded):\n\t"
+                           + "\n\t".join(errors))
+
+
+def _check_before_load(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                       error_msgs) -> None:
+    check_state_dict(module, state_dict, prefix)
+
+
+def make_loading_atomic(model: torch.nn.Module) -> None:
+    """Have ``model.load_state_dict`` check every dtq weight before any module loads (idempotent)."""
+    if not getattr(model, "_dtq_atomic_load", False):
+        model._register_load_state_dict_pre_hook(_check_before_load, with_module=True)
+        model._dtq_atomic_load = True
