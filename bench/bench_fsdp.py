@@ -1,0 +1,178 @@
+"""FSDP2 benchmark: step time, all-gathered / reduce-scattered bytes and peak memory of a small
+Llama-style model (attention + SwiGLU blocks, AdamW) per parameter mode, in one run:
+
+* ``bf16``: BF16 parameters, no quantization (the baseline);
+* ``dtq fp8 (hp shards)``: BF16 shards, gathered as FP8 (``Float8CurrentScaling``, amaxes
+  precomputed in one all-reduce after each optimizer step);
+* ``dtq fp8 (quantized params)``: FP8 parameters with FP32 masters (``MasterWeightOptimizer``);
+* ``dtq hybrid (quantized params)``: MXFP8 rowwise / NVFP4 columnwise parameters;
+* ``torchao float8``: tensorwise float8 with FP8 all-gather and precomputed scales.
+
+    torchrun --nproc-per-node 4 bench/bench_fsdp.py --out bench/results_fsdp_4gpu.json
+
+Bytes are counted at the collectives (every ``all_gather_into_tensor`` output and
+``reduce_scatter_tensor`` input FSDP2 issues, per rank), so every mode is measured the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import subprocess
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+
+import dtq
+
+_BYTES: collections.Counter = collections.Counter()
+
+
+def _count(name: str, fn, which: int):
+    def wrapped(*args, **kwargs):
+        t = args[which] if len(args) > which else kwargs["output_tensor" if which == 0 else "input"]
+        _BYTES[name] += t.numel() * t.element_size()
+        return fn(*args, **kwargs)
+    return wrapped
+
+
+dist.all_gather_into_tensor = _count("all_gather", dist.all_gather_into_tensor, 0)
+dist.reduce_scatter_tensor = _count("reduce_scatter", dist.reduce_scatter_tensor, 1)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, hidden: int, heads: int, ffn: int):
+        super().__init__()
+        self.heads = heads
+        self.attn_norm = torch.nn.RMSNorm(hidden)
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden, bias=False)
+        self.proj = torch.nn.Linear(hidden, hidden, bias=False)
+        self.mlp_norm = torch.nn.RMSNorm(hidden)
+        self.fc1 = torch.nn.Linear(hidden, 2 * ffn, bias=False)
+        self.fc2 = torch.nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):  # [B, S, H]
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
+        x = x + self.proj(o)
+        a, g = self.fc1(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.fc2(F.silu(a) * g)
+
+
+def build(args, mode: str):
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = torch.nn.Sequential(*[Block(args.hidden, args.heads, args.ffn) for _ in range(args.layers)])
+    model = model.to(torch.bfloat16)
+    recipe, opt = None, None
+    if mode.startswith("dtq"):
+        recipe = (dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling()) if "hybrid" in mode
+                  else dtq.Float8CurrentScaling())
+        quantized = "quantized params" in mode
+        dtq.convert(model, recipe=recipe if quantized else None, quantized_params=quantized)
+    elif mode == "torchao float8":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    if "quantized params" in mode:
+        opt = dtq.optim.MasterWeightOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, recipe, opt
+
+
+def after_step(model, mode: str) -> None:
+    if mode == "torchao float8":
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(model)
+    elif mode == "dtq fp8 (hp shards)":
+        dtq.parallel.precompute_amax(model)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--ffn", type=int, default=5632)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--modes", default="bf16,dtq fp8 (hp shards),dtq fp8 (quantized params),"
+                                      "dtq hybrid (quantized params),torchao float8")
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    results = []
+    for mode in args.modes.split(","):
+        try:
+            model, recipe, opt = build(args, mode)
+        except ImportError as e:
+            if rank == 0:
+                print(f"{mode}: skipped ({e})")
+            continue
+        n_params = sum(p.numel() for p in model.parameters())
+        x = torch.randn(args.batch, args.seq, args.hidden, device="cuda", dtype=torch.bfloat16)
+        times = []
+        torch.cuda.reset_peak_memory_stats()
+        for step in range(args.steps):
+            if step == args.steps // 2:  # steady state: count the second half only
+                _BYTES.clear()
+                dtq.parallel.comm_stats(reset=True)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with dtq.autocast(recipe, enabled=recipe is not None):
+                loss = model(x).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            after_step(model, mode)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        counted = args.steps - args.steps // 2
+        step_s = statistics.median(times[args.steps // 2:])
+        row = {"mode": mode, "world": world, "params": n_params, "step_ms": step_s * 1e3,
+               "tokens_per_s": world * args.batch * args.seq / step_s,
+               "all_gather_mb_per_step": _BYTES["all_gather"] / counted / 1e6,
+               "reduce_scatter_mb_per_step": _BYTES["reduce_scatter"] / counted / 1e6,
+               "dtq_comm_stats_mb_per_step": {k: v / counted / 1e6 for k, v in dtq.parallel.comm_stats().items()},
+               "peak_mem_mib": torch.cuda.max_memory_allocated() / 2**20}
+        results.append(row)
+        if rank == 0:
+            print(f"{mode:32s} {row['step_ms']:8.1f} ms/step  {row['tokens_per_s']:10,.0f} tok/s  "
+                  f"AG {row['all_gather_mb_per_step']:8.1f} MB  RS {row['reduce_scatter_mb_per_step']:8.1f} MB  "
+                  f"peak {row['peak_mem_mib']:7.0f} MiB", flush=True)
+        del model, opt
+        torch.cuda.empty_cache()
+    if rank == 0 and results:
+        base = results[0]
+        for r in results:
+            r["step_vs_first"] = r["step_ms"] / base["step_ms"]
+            r["all_gather_vs_first"] = r["all_gather_mb_per_step"] / max(base["all_gather_mb_per_step"], 1e-9)
+        print("\nratios to", base["mode"] + ":")
+        for r in results:
+            print(f"  {r['mode']:32s} step {r['step_vs_first']:.2f}x  all-gather bytes {r['all_gather_vs_first']:.2f}x")
+        if args.out:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
+            meta = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "torch": torch.__version__,
+                    "device": torch.cuda.get_device_name(), "world": world, **vars(args)}
+            with open(args.out, "w") as f:
+                json.dump({"meta": meta, "rows": results}, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
