@@ -20,8 +20,9 @@ def make_mesh(device: torch.device, world_size: int, tp: int) -> DeviceMesh:
 
 
 def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh, cfg: Config) -> None:
-    """The seam for dtq's DTensor parallel styles (column-wise QKV/fc1, row-wise proj/fc2,
-    sequence-parallel norms with quantized input gathers). They are not in dtq yet."""
+    """The seam for dtq's DTensor parallel styles on ``mesh["tp"]`` (column-wise QKV / fc1,
+    row-wise proj / fc2, sequence-parallel norms with quantized input gathers), applied before
+    FSDP2 shards the result over ``mesh["dp"]``. Those styles are not in dtq yet."""
     raise NotImplementedError(
         f"config: parallel.tp = {cfg.parallel.tp}: tensor/sequence parallelism needs dtq's DTensor parallel styles "
         "for dtq modules, which do not exist yet (torch's ColwiseParallel/RowwiseParallel refuse dtq modules); "
@@ -33,7 +34,7 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, cfg: Config) -> torch.
     their dtype; ``train.dtype = "bfloat16"`` makes FSDP2 gather and compute in BF16 with FP32
     gradient reduction."""
     if cfg.parallel.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"], cfg)
+        apply_tensor_parallel(model, mesh, cfg)
     dp = mesh["dp"] if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names else mesh
     mp = None
     if cfg.train.dtype == "bfloat16":

@@ -14,7 +14,7 @@ from dtq.nn import QuantizedModule
 # GEMM operand -> which config keys set its [M, K] view (for the message).
 _WHY = {
     "input": "its [M, K] = [tokens per rank = train.batch_size * model.seq_len, in features]",
-    "weight": "its [N, K] = [out features, in features]",
+    "weight": "its [N, K] = [out features, in features], set by model.hidden and model.ffn_hidden",
     "grad_output": "its [M, N] = [tokens per rank = train.batch_size * model.seq_len, out features]",
 }
 

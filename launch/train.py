@@ -100,6 +100,8 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto") 
         warnings.filterwarnings("ignore")
     tc = cfg.train
     recipe = build_recipe(tc.recipe, tc.backward_override)
+    if recipe is None:  # the high-precision baseline gathers in high precision on purpose
+        warnings.filterwarnings("ignore", message=r"dtq: .* is gathered in high precision")
     tokens_per_rank = tc.batch_size * cfg.model.seq_len
 
     torch.manual_seed(tc.seed)  # the same initial weights on every rank
@@ -139,7 +141,10 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto") 
               + f" | {world} rank(s) via {denv.launcher}, {backend} on {device.type} | "
               f"{tokens_per_rank} tokens/rank/step" + (f" | resumed at step {step}" if resumed_from else ""),
               flush=True)
-        if device.type == "cpu" and recipe is not None:
+        if recipe is None:
+            print(f"recipe {tc.recipe}: no quantization; GEMMs in {tc.dtype}, all-gathers in high precision "
+                  "(counted as <dtype>/fallback)", flush=True)
+        elif device.type == "cpu":
             print("note: on CPU dtq emulates quantized GEMMs with the reference codecs (exact bits, not speed)",
                   flush=True)
     if step >= tc.steps and rank == 0:
