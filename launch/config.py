@@ -82,7 +82,7 @@ class ModelConfig:
 class DataConfig:
     """Byte-level text of the Python standard library's own ``*.py`` files (sorted, so every
     machine with the same Python reads the same bytes). ``max_bytes`` caps how much is read;
-    the last ``val_fraction`` of it is held out for evaluation."""
+    ``val_fraction`` of it (every 1/val_fraction-th 4 KiB chunk) is held out for evaluation."""
 
     max_bytes: int = 8_000_000
     val_fraction: float = 0.02

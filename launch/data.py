@@ -3,7 +3,8 @@
 Tokens are bytes (vocab 256). The corpus is every ``*.py`` file under
 ``sysconfig.get_paths()["stdlib"]`` (installed packages excluded), in sorted path order, so it is
 the same on every rank and every machine with the same Python. The stream is cut into windows of
-``seq_len + 1`` bytes; the last ``val_fraction`` of the bytes is the validation split.
+``seq_len + 1`` bytes; a ``val_fraction`` of it, in 4 KiB chunks spread over the corpus, is the
+validation split.
 
 The order is a pure function of (seed, sample index): sample ``i`` of the training stream is
 window ``perm_e[i % n]`` with ``e = i // n`` and ``perm_e`` a permutation seeded by ``seed + e``.
@@ -48,8 +49,8 @@ def load_corpus(max_bytes: int) -> torch.Tensor:
 class ByteWindows:
     """Fixed-length windows over a byte stream, read in a seeded, resumable order."""
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int, shuffle: bool = True):
-        self.tokens, self.seq_len, self.seed, self.shuffle = tokens, seq_len, seed, shuffle
+    def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int):
+        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
         self.count = (tokens.numel() - 1) // seq_len
         if self.count < 1:
             raise ValueError(f"data: {tokens.numel()} bytes do not fill one window of {seq_len + 1}; raise "
@@ -58,8 +59,6 @@ class ByteWindows:
 
     def _window(self, i: int) -> int:
         epoch, j = divmod(i, self.count)
-        if not self.shuffle:
-            return j
         if epoch != self._perm_epoch:
             g = torch.Generator().manual_seed(self.seed + epoch)
             self._perm, self._perm_epoch = torch.randperm(self.count, generator=g), epoch
@@ -72,8 +71,18 @@ class ByteWindows:
         return rows[:, :-1], rows[:, 1:]
 
 
-def splits(max_bytes: int, val_fraction: float, seq_len: int, seed: int) -> tuple[ByteWindows, ByteWindows]:
-    """(train, validation) windows; validation is read in order (the same batches every eval)."""
+def splits(max_bytes: int, val_fraction: float, seq_len: int, seed: int,
+           chunk: int = 4096) -> tuple[ByteWindows, ByteWindows]:
+    """(train, validation) windows. Every ``1 / val_fraction``-th chunk of ``chunk`` bytes is held
+    out, so validation text comes from the same files as training text, not from one corner of
+    the library. Validation batches are a fixed function of the seed too (the same every eval),
+    spread over all held-out chunks."""
     tokens = load_corpus(max_bytes)
-    cut = int(tokens.numel() * (1 - val_fraction))
-    return ByteWindows(tokens[:cut], seq_len, seed), ByteWindows(tokens[cut:], seq_len, seed, shuffle=False)
+    period = max(2, round(1 / val_fraction))
+    pieces = tokens.split(chunk)
+    val = [c for i, c in enumerate(pieces) if i % period == period - 1]
+    if not val:
+        raise ValueError(f"data: {tokens.numel()} bytes hold no validation chunk (every {period}th chunk of "
+                         f"{chunk} bytes); raise data.max_bytes or data.val_fraction")
+    train = torch.cat([c for i, c in enumerate(pieces) if i % period != period - 1])
+    return ByteWindows(train, seq_len, seed), ByteWindows(torch.cat(val), seq_len, seed)
