@@ -57,8 +57,17 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def live_param_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """The parameter groups the optimizer steps with. ``MasterWeightOptimizer.param_groups`` is
+    bound to its inner optimizer's list once, at construction; ``load_state_dict`` gives the inner
+    optimizer a new list, so after a resume only ``.inner.param_groups`` reaches it."""
+    if isinstance(optimizer, dtq.optim.MasterWeightOptimizer):
+        return optimizer.inner.param_groups
+    return optimizer.param_groups
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
+    for group in live_param_groups(optimizer):
         group["lr"] = lr
 
 

@@ -66,20 +66,35 @@ def test_tiny_config_trains_on_two_ranks_under_torchrun(tiny_run):
         assert (out / "checkpoints" / f"step_{step:08d}" / ".metadata").exists()
 
 
+def _resume_from(full_dir: pathlib.Path, step: int, args: list[str], resumed_dir: pathlib.Path) -> None:
+    """Resume ``args`` from ``full_dir``'s step-``step`` checkpoint in ``resumed_dir`` and check that
+    every later loss equals the uninterrupted run's: equal floats, no tolerance."""
+    (resumed_dir / "checkpoints").mkdir(parents=True)
+    name = f"step_{step:08d}"
+    shutil.copytree(full_dir / "checkpoints" / name, resumed_dir / "checkpoints" / name)
+    stdout = _torchrun(*args, "--out-dir", str(resumed_dir), "--resume")
+    assert f"resumed at step {step}" in stdout
+    full = {r["step"]: r["loss"] for r in _records(full_dir)}
+    resumed = {r["step"]: r["loss"] for r in _records(resumed_dir)}
+    assert sorted(resumed) == [s for s in sorted(full) if s > step]
+    assert resumed == {s: full[s] for s in resumed}
+    assert _records(resumed_dir, "eval")[-1]["val_loss"] == _records(full_dir, "eval")[-1]["val_loss"]
+
+
 def test_resume_from_checkpoint_continues_bitwise(tiny_run, tmp_path):
-    """A run resumed from the step-3 checkpoint (model payloads, AdamW state, data position and
-    each rank's RNG, from which the NVFP4 stochastic-rounding seeds are drawn) logs exactly the
-    uninterrupted run's losses for steps 4-6: compared as equal floats, no tolerance."""
-    out, _ = tiny_run
-    (tmp_path / "checkpoints").mkdir()
-    shutil.copytree(out / "checkpoints" / "step_00000003", tmp_path / "checkpoints" / "step_00000003")
-    stdout = _torchrun(*TINY, "--out-dir", str(tmp_path), "--resume")
-    assert "resumed at step 3" in stdout
-    full = {r["step"]: r["loss"] for r in _records(out)}
-    resumed = {r["step"]: r["loss"] for r in _records(tmp_path)}
-    assert sorted(resumed) == [4, 5, 6]
-    assert resumed == {s: full[s] for s in (4, 5, 6)}
-    assert _records(tmp_path, "eval")[0]["val_loss"] == _records(out, "eval")[0]["val_loss"]
+    """Resumed from the step-3 checkpoint (weights, AdamW state, data position, each rank's RNG, from
+    which the NVFP4 stochastic-rounding seeds are drawn), steps 4-6 log exactly the uninterrupted
+    run's losses."""
+    _resume_from(tiny_run[0], 3, TINY, tmp_path)
+
+
+def test_resume_with_quantized_params_and_recompute_continues_bitwise(tmp_path):
+    """The same with quantized parameters (payloads and FP32 masters in the checkpoint,
+    MasterWeightOptimizer) and activation recompute: 4 steps, resumed at step 2."""
+    args = [*TINY, "--steps", "4", "--set", "train.checkpoint_every=2", "--set", "train.quantized_params=true",
+            "--set", "train.recompute=true"]
+    _torchrun(*args, "--out-dir", str(tmp_path / "full"))
+    _resume_from(tmp_path / "full", 2, args, tmp_path / "resumed")
 
 
 def _mpirun() -> str | None:

@@ -165,3 +165,21 @@ def test_config_round_trips_through_its_dict():
     cfg = config.load(TINY)
     assert config.from_dict(cfg.to_dict()) == cfg
     assert dataclasses.replace(cfg.train, backward_override="none").backward_override is None
+
+
+def test_quantized_params_optimizer_groups_and_lr_after_resume():
+    """build_optimizer gives MasterWeightOptimizer's masters two AdamW groups (no decay on norms
+    and embeddings), and set_lr still reaches the inner optimizer after load_state_dict (which
+    replaces the inner optimizer's param_groups list)."""
+    cfg = config.load(TINY, ["train.quantized_params=true"])
+    torch.manual_seed(0)
+    model = dtq.convert(Decoder(cfg.model), recipe=build_recipe("hybrid"), quantized_params=True,
+                        module_filter_fn=lambda m, fqn: False)
+    opt = optim.build_optimizer(model, cfg.train)
+    assert isinstance(opt, dtq.optim.MasterWeightOptimizer) and len(opt.masters) == 8  # qkv, proj, fc1, fc2 x 2 layers
+    decay, no_decay = opt.inner.param_groups
+    assert {id(p) for p in decay["params"]} == {id(m) for m in opt.masters}
+    assert no_decay["weight_decay"] == 0.0 and len(no_decay["params"]) == 6  # 2 norms x 2 layers, final norm, tied embedding
+    opt.load_state_dict(opt.state_dict())
+    optim.set_lr(opt, 0.125)
+    assert [g["lr"] for g in opt.inner.param_groups] == [0.125, 0.125]
