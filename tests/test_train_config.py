@@ -183,3 +183,13 @@ def test_quantized_params_optimizer_groups_and_lr_after_resume():
     opt.load_state_dict(opt.state_dict())
     optim.set_lr(opt, 0.125)
     assert [g["lr"] for g in opt.inner.param_groups] == [0.125, 0.125]
+
+
+def test_the_300m_config_fits_every_recipe_on_4_ranks():
+    cfg = config.load("launch/configs/llama300m.toml")
+    with torch.device("meta"):  # shapes only: nothing is allocated or initialized
+        model = Decoder(cfg.model)
+    n = sum(p.numel() for p in model.parameters())
+    assert 300e6 < n < 320e6
+    for name in ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4", "hybrid"):
+        preflight.check_shapes(model, build_recipe(name), cfg.train.batch_size * cfg.model.seq_len, 4)
