@@ -23,7 +23,6 @@ if __package__ in (None, ""):  # run as a script: import `launch` from the repos
 
 import argparse
 import contextlib
-import dataclasses
 import time
 import warnings
 
