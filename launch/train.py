@@ -1,80 +1,222 @@
-"""The example training job (single process for now; the FSDP2 trainer replaces it).
+"""The example trainer: a byte-level Llama-style decoder on the Python standard library's source,
+sharded with FSDP2, its GEMMs quantized by a dtq recipe chosen by name.
 
-Trains a small MLP regressor, converted with ``dtq.convert``, under ``dtq.autocast``: fprop runs
-on rowwise payloads, dgrad on the weight's columnwise payload and the gradient's rowwise one,
-wgrad on columnwise payloads of gradient and input (DESIGN section 1). The default recipe is a
-hybrid: MXFP8 rowwise / NVFP4 columnwise for inputs and weights, NVFP4 with stochastic rounding
-for gradients.
+Start it any way you like; the process group is set up from what the launcher left behind
+(launch/dist.py)::
 
-    python launch/train.py --recipe hybrid --steps 60
+    python launch/train.py --config launch/configs/tiny.toml                          # one process
+    torchrun --standalone --nproc-per-node 2 launch/train.py --config launch/configs/tiny.toml
+    mpirun -np 2 python launch/train.py --config launch/configs/tiny.toml
+    srun --ntasks-per-node 4 --gpus-per-node 4 python launch/train.py --config ...
+
+Options override the config file (``--set table.key=value`` for any key); ``--resume`` continues
+from the newest checkpoint in ``train.out_dir``. See docs/training.md.
 """
 
 from __future__ import annotations
 
+import pathlib
+import sys
+
+if __package__ in (None, ""):  # run as a script: import `launch` from the repository root, and do not
+    sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])  # let launch/*.py shadow top-level modules
+
 import argparse
+import contextlib
 import time
+import warnings
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 import dtq
-
-RECIPES = {
-    "bf16": lambda: None,  # no quantization: the high-precision baseline (parameters in --dtype)
-    "fp8": dtq.Float8CurrentScaling,
-    "fp8-delayed": dtq.DelayedScaling,
-    "fp8-block": dtq.Float8BlockScaling,
-    "mxfp8": dtq.MXFP8BlockScaling,
-    "nvfp4": dtq.NVFP4BlockScaling,
-    # MXFP8 for the forward GEMM, NVFP4 (16x16 weights, stochastic rounding on gradients) for
-    # the backward GEMMs.
-    "hybrid": lambda: dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling()),
-}
+from launch import checkpointing, data, metrics, optim, parallel, preflight
+from launch import config as config_mod
+from launch import dist as launch_dist
+from launch.model import build_model
+from launch.recipes import build_recipe
 
 
-def build(width: int) -> torch.nn.Module:
-    model = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
-                                torch.nn.Linear(4 * width, 4 * width), torch.nn.GELU(),
-                                torch.nn.Linear(4 * width, width))
-    return dtq.convert(model)
-
-
-def main(argv=None) -> float:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipe", default="hybrid", choices=sorted(RECIPES))
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter and activation dtype")
-    args = p.parse_args(argv)
+    p.add_argument("--config", help="TOML config file (default: the built-in tiny model)")
+    p.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                   help="override one config key, e.g. --set train.steps=100 (repeatable)")
+    p.add_argument("--recipe", help="shorthand for --set train.recipe=NAME")
+    p.add_argument("--steps", type=int, help="shorthand for --set train.steps=N")
+    p.add_argument("--out-dir", help="shorthand for --set train.out_dir=PATH")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in train.out_dir")
+    p.add_argument("--launcher", default="auto", choices=launch_dist.LAUNCHERS,
+                   help="how this process was started (default: detected from the environment)")
+    return p.parse_args(argv)
 
-    torch.manual_seed(args.seed)
-    teacher = torch.nn.Sequential(torch.nn.Linear(args.width, args.width), torch.nn.Tanh(),
-                                  torch.nn.Linear(args.width, args.width))
-    dtype = getattr(torch, args.dtype)
-    model = build(args.width).to(dtype)
-    recipe = RECIPES[args.recipe]()
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    print(f"dtq {dtq.__version__}: training a {sum(p.numel() for p in model.parameters())}-parameter MLP, "
-          f"recipe={args.recipe}, {args.steps} steps of {args.batch} samples on CPU", flush=True)
-    t0, loss = time.perf_counter(), torch.tensor(float("nan"))
-    for step in range(1, args.steps + 1):
-        x = torch.randn(args.batch, args.width)
-        with torch.no_grad():
-            target = teacher(x).to(dtype)
-        x = x.to(dtype)
+
+def load_config(args: argparse.Namespace) -> config_mod.Config:
+    overrides = list(args.set)
+    for flag, key in (("recipe", "train.recipe"), ("steps", "train.steps"), ("out_dir", "train.out_dir")):
+        value = getattr(args, flag)
+        if value is not None:
+            overrides.append(f"{key}={value!s}" if flag == "steps" else f'{key}="{value}"')
+    return config_mod.load(args.config, overrides)
+
+
+def activation_memory(cfg: config_mod.TrainConfig, device: torch.device):
+    """The context that decides where saved activations live during forward."""
+    if cfg.offload == "save_on_cpu":
+        return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
+    if cfg.offload == "dtq":
+        return dtq.parallel.offload()
+    return contextlib.nullcontext()
+
+
+def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+@torch.no_grad()
+def evaluate(model, val: data.ByteWindows, cfg: config_mod.Config, recipe, device, rank: int, world: int) -> float:
+    """Mean validation loss over ``eval_batches`` fixed batches (the same ones every time)."""
+    model.eval()
+    total = torch.zeros((), device=device)
+    b = cfg.train.batch_size
+    for i in range(cfg.train.eval_batches):
+        x, y = val.batch((i * world + rank) * b, b)
         with dtq.autocast(recipe, enabled=recipe is not None):
-            out = model(x)
-        loss = torch.nn.functional.mse_loss(out, target)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+            total += lm_loss(model, x.to(device), y.to(device))
+    dist.all_reduce(total)
+    model.train()
+    return total.item() / (world * cfg.train.eval_batches)
+
+
+def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto") -> dict:
+    """Run one training job on an initialized or fresh process group; returns the last train
+    and validation losses."""
+    denv, device = launch_dist.init_distributed(launcher, cfg.train.device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank != 0:  # every rank would print the same warnings: rank 0 speaks for all
+        warnings.filterwarnings("ignore")
+    tc = cfg.train
+    recipe = build_recipe(tc.recipe, tc.backward_override)
+    if recipe is None:  # the high-precision baseline gathers in high precision on purpose
+        warnings.filterwarnings("ignore", message=r"dtq: .* is gathered in high precision")
+    tokens_per_rank = tc.batch_size * cfg.model.seq_len
+
+    torch.manual_seed(tc.seed)  # the same initial weights on every rank
+    model = build_model(cfg.model)
+    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    dp_world = world // cfg.parallel.tp
+    preflight.check_shapes(model, recipe, tokens_per_rank, dp_world)
+    if tc.quantized_params:
+        dtq.convert(model, recipe=recipe, quantized_params=True, module_filter_fn=lambda m, fqn: False)
+    mesh = parallel.make_mesh(device, world, cfg.parallel.tp)
+    model = parallel.parallelize(model, mesh, cfg)
+    model.recompute = tc.recompute
+    opt = optim.build_optimizer(model, tc)
+
+    train_data, val_data = data.splits(cfg.data.max_bytes, cfg.data.val_fraction, cfg.model.seq_len, tc.seed)
+    step, samples = 0, 0
+    resumed_from = checkpointing.latest(tc.out_dir) if resume else None
+    if resume and resumed_from is None and rank == 0:
+        print(f"--resume: no checkpoint in {tc.out_dir}/checkpoints yet; starting from step 0", flush=True)
+    if resumed_from is not None:
+        optim.materialize_state(opt)
+        state = checkpointing.load(resumed_from, model, opt, device)
+        step, samples = int(state["step"]), int(state["samples"])
+    else:
+        torch.manual_seed(tc.seed + 1)  # the training RNG stream (stochastic-rounding seeds)
+
+    log = metrics.MetricsLog(pathlib.Path(tc.out_dir) / "metrics.jsonl", rank == 0,
+                             resume_step=step if resumed_from is not None else None)
+    log.write({"kind": "config", "config": cfg.to_dict(), "world_size": world, "launcher": denv.launcher,
+               "device": str(device), "recipe": repr(recipe), "params": n_params,
+               "resumed_from": str(resumed_from) if resumed_from else None})
+    if rank == 0:
+        backend = dist.get_backend()
+        print(f"dtq {dtq.__version__} | {cfg.model.kind} model, {cfg.model.layers} layers, hidden {cfg.model.hidden}: "
+              f"{n_params / 1e6:.2f} M parameters | recipe {tc.recipe}"
+              + (" (quantized parameters)" if tc.quantized_params else "")
+              + f" | {world} rank(s) via {denv.launcher}, {backend} on {device.type} | "
+              f"{tokens_per_rank} tokens/rank/step" + (f" | resumed at step {step}" if resumed_from else ""),
+              flush=True)
+        if recipe is None:
+            print(f"recipe {tc.recipe}: no quantization; GEMMs in {tc.dtype}, all-gathers in high precision "
+                  "(counted as <dtype>/fallback)", flush=True)
+        elif device.type == "cpu":
+            print("note: on CPU dtq emulates quantized GEMMs with the reference codecs (exact bits, not speed)",
+                  flush=True)
+    if step >= tc.steps and rank == 0:
+        print(f"already at step {step} of {tc.steps}; raise train.steps to continue", flush=True)
+
+    dtq.parallel.comm_stats(reset=True)
+    loss_sum, interval_steps, t0 = torch.zeros((), device=device), 0, time.perf_counter()
+    last = {"loss": float("nan"), "val_loss": float("nan")}
+    b = tc.batch_size
+    first_step = True
+    while step < tc.steps:
+        step += 1
+        lr = optim.lr_at(step, tc)
+        optim.set_lr(opt, lr)
+        x, y = train_data.batch(samples + rank * b, b)  # this rank's slice of the global batch
+        x, y = x.to(device), y.to(device)
+        with warnings.catch_warnings():
+            if first_step:  # precompute_amax cannot run before FSDP2's lazy init (see below)
+                warnings.filterwarnings("ignore", message="dtq: reducing the amax")
+            with dtq.autocast(recipe, enabled=recipe is not None), activation_memory(tc, device):
+                loss = lm_loss(model, x, y)
+            loss.backward()
+        first_step = False
+        if tc.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
         opt.step()
-        if step % args.log_every == 0 or step == args.steps:
-            rate = step * args.batch / (time.perf_counter() - t0)
-            print(f"step {step:4d}/{args.steps}  loss {loss.item():.4f}  {rate:,.0f} samples/s", flush=True)
-    return loss.item()
+        opt.zero_grad(set_to_none=True)
+        if recipe is not None and not tc.quantized_params:
+            # Every weight's global amax in one all-reduce for the next gathers. (Before the first
+            # forward, FSDP2 has not initialized its parameters' dtypes and precompute_amax fails;
+            # that first step's gathers reduce each amax on their own.)
+            dtq.parallel.precompute_amax(model, recipe)
+        samples += b * world
+        loss_sum += loss.detach()
+        interval_steps += 1
+
+        if step % tc.log_every == 0 or step == tc.steps:
+            dist.all_reduce(loss_sum)
+            elapsed = time.perf_counter() - t0
+            rec = {"kind": "train", "step": step, "loss": loss_sum.item() / (world * interval_steps), "lr": lr,
+                   "tokens_per_s": interval_steps * tokens_per_rank * world / elapsed,
+                   "gathered_bytes": dtq.parallel.comm_stats(reset=True), "samples": samples,
+                   "elapsed_s": elapsed}
+            last["loss"] = rec["loss"]
+            log.write(rec)
+            if rank == 0:
+                print(metrics.progress_line(rec, tc.steps), flush=True)
+            loss_sum.zero_()
+            interval_steps, t0 = 0, time.perf_counter()
+        if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
+            last["val_loss"] = evaluate(model, val_data, cfg, recipe, device, rank, world)
+            log.write({"kind": "eval", "step": step, "val_loss": last["val_loss"]})
+            if rank == 0:
+                print(f"step {step}: validation loss {last['val_loss']:.4f}", flush=True)
+            dtq.parallel.comm_stats(reset=True)  # eval gathers are not training traffic
+            t0 = time.perf_counter()
+        if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == tc.steps:
+            path = checkpointing.save(tc.out_dir, step, model, opt,
+                                      {"step": step, "samples": samples, "world_size": world}, device)
+            if rank == 0:
+                print(f"checkpoint: {path}", flush=True)
+            t0 = time.perf_counter()
+    return last
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    cfg = load_config(args)
+    try:
+        return train(cfg, resume=args.resume, launcher=args.launcher)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

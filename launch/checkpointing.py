@@ -1,0 +1,93 @@
+"""Training checkpoints with ``torch.distributed.checkpoint`` (DCP): model, optimizer, step,
+data position and every rank's RNG state, in ``<out_dir>/checkpoints/step_<N>/``.
+
+What is per rank is saved per rank: torch's RNG states (stochastic rounding draws its seeds from
+them) and the delayed-scaling amax histories of dtq modules, which each rank keeps from its own
+activations (DCP would otherwise keep one rank's copy of a plain tensor for everybody).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_PER_RANK = "amax_history_"  # model buffers that differ between ranks
+
+
+def checkpoint_dir(out_dir: str | pathlib.Path, step: int) -> pathlib.Path:
+    return pathlib.Path(out_dir) / "checkpoints" / f"step_{step:08d}"
+
+
+def latest(out_dir: str | pathlib.Path) -> pathlib.Path | None:
+    """The newest complete checkpoint (DCP writes ``.metadata`` last) under ``out_dir``."""
+    root = pathlib.Path(out_dir) / "checkpoints"
+    done = [p for p in root.glob("step_*") if _STEP_DIR.match(p.name) and (p / ".metadata").exists()]
+    return max(done, key=lambda p: int(_STEP_DIR.match(p.name).group(1)), default=None)
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _split_model_state(model: torch.nn.Module) -> tuple[dict, dict]:
+    """(shared entries, this rank's own entries) of the model's state dict."""
+    shared, own = {}, {}
+    for k, v in model.state_dict().items():
+        (own if _PER_RANK in k.rsplit(".", 1)[-1] else shared)[k] = v
+    return shared, own
+
+
+def _state(model, optimizer, train_state: dict, device: torch.device, rank: int) -> dict:
+    shared, own = _split_model_state(model)
+    return {"model": shared, "optim": optimizer.state_dict(), "train": dict(train_state),
+            f"rank{rank}": {"rng": _rng_state(device), "buffers": own}}
+
+
+def save(out_dir: str | pathlib.Path, step: int, model, optimizer, train_state: dict, device: torch.device) -> pathlib.Path:
+    """Write a checkpoint of step ``step`` (a collective: every rank calls it)."""
+    path = checkpoint_dir(out_dir, step)
+    dcp.save(_state(model, optimizer, train_state, device, dist.get_rank()), checkpoint_id=str(path))
+    return path
+
+
+def load(path: str | pathlib.Path, model, optimizer, device: torch.device) -> dict:
+    """Restore model, optimizer and this rank's RNG state from ``path``; returns the saved train
+    state (step, samples consumed, world size). Loaded on another world size, model and optimizer
+    are resharded but RNG streams restart from this rank's current state (with a warning)."""
+    rank = dist.get_rank()
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    own_prefix = f"rank{rank}."
+    # Delayed-scaling histories appear at a module's first forward: create the ones the
+    # checkpoint has so that DCP has somewhere to load them.
+    buffers = {}
+    for key, md in meta.items():
+        if key.startswith(own_prefix + "buffers."):
+            buffers[key[len(own_prefix + "buffers."):]] = torch.zeros(md.size, dtype=md.properties.dtype, device=device)
+    state = _state(model, optimizer, {"step": 0, "samples": 0, "world_size": 0}, device, rank)
+    state[f"rank{rank}"]["buffers"] = buffers
+    have_rank = any(k.startswith(own_prefix) for k in meta)
+    if not have_rank:
+        del state[f"rank{rank}"]
+    dcp.load(state, checkpoint_id=str(path))
+    model.load_state_dict({**state["model"], **(state[f"rank{rank}"]["buffers"] if have_rank else {})})
+    optimizer.load_state_dict(state["optim"])
+    train_state = state["train"]
+    if have_rank and train_state["world_size"] == dist.get_world_size():
+        torch.set_rng_state(state[f"rank{rank}"]["rng"]["cpu"])
+        if device.type == "cuda" and "cuda" in state[f"rank{rank}"]["rng"]:
+            torch.cuda.set_rng_state(state[f"rank{rank}"]["rng"]["cuda"], device)
+    elif rank == 0:
+        warnings.warn(f"checkpoint {path} was written by {train_state['world_size']} ranks, this run has "
+                      f"{dist.get_world_size()}: model and optimizer are resharded, but the RNG streams (stochastic "
+                      "rounding seeds) and per-rank amax histories start afresh, so the run is not bitwise the "
+                      "uninterrupted one", stacklevel=2)
+    return train_state

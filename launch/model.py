@@ -1,0 +1,134 @@
+"""The models the trainer can build: a Llama-style decoder made of dtq modules, or a transformers
+``LlamaForCausalLM`` converted with ``dtq.convert``. Both keep the byte embedding, final norm and
+LM head in high precision; every other GEMM is a dtq module that quantizes under ``dtq.autocast``.
+
+Both expose the same small surface the trainer needs: ``model(tokens) -> logits`` and
+``model.blocks`` (the modules FSDP2 shards one by one and activation recompute wraps).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import dtq
+from launch.config import ModelConfig
+
+
+def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding of ``x: [batch, heads, seq, head_dim]`` (pairs ``(i, i + d/2)``
+    rotated by ``pos * theta^(-2i/d)``, as in Llama), computed in fp32."""
+    d = x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    angles = torch.arange(x.shape[-2], device=x.device, dtype=torch.float32)[:, None] * inv_freq
+    cos, sin = angles.cos(), angles.sin()
+    a, b = x.float().chunk(2, dim=-1)
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1).to(x.dtype)
+
+
+class Attention(torch.nn.Module):
+    """RMSNorm fused into the QKV projection (``dtq.nn.LayerNormLinear``), rotary embeddings,
+    causal SDPA, and the output projection (``dtq.nn.Linear``)."""
+
+    def __init__(self, cfg: ModelConfig, name: str):
+        super().__init__()
+        self.heads, self.theta = cfg.heads, cfg.rope_theta
+        self.qkv = dtq.nn.LayerNormLinear(cfg.hidden, 3 * cfg.hidden, bias=False, normalization="RMSNorm",
+                                          eps=cfg.norm_eps, name=f"{name}.qkv")
+        self.proj = dtq.nn.Linear(cfg.hidden, cfg.hidden, bias=False, name=f"{name}.proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        q, k = rotary(q, self.theta), rotary(k, self.theta)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(b, t, h))
+
+
+class Block(torch.nn.Module):
+    """Pre-norm residual block: ``x + attn(x)`` then ``x + mlp(x)``, the MLP's RMSNorm fused into
+    ``dtq.nn.LayerNormMLP`` with SwiGLU."""
+
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.attn = Attention(cfg, f"layers.{index}.attn")
+        self.mlp = dtq.nn.LayerNormMLP(cfg.hidden, cfg.ffn_hidden, bias=False, normalization="RMSNorm",
+                                       activation="swiglu", eps=cfg.norm_eps, name=f"layers.{index}.mlp")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
+class Decoder(torch.nn.Module):
+    """Byte-level Llama-style decoder. ``recompute=True`` recomputes each block in backward
+    (``torch.utils.checkpoint``, non-reentrant)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed = torch.nn.Embedding(cfg.vocab, cfg.hidden)
+        self.layers = torch.nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
+        self.norm = torch.nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.lm_head = torch.nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        torch.nn.init.normal_(self.embed.weight, std=cfg.init_std)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        else:
+            torch.nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
+        self.recompute = False
+
+    @property
+    def blocks(self) -> list[torch.nn.Module]:
+        return list(self.layers)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=False) if self.recompute and self.training else layer(x)
+        return self.lm_head(self.norm(x))
+
+
+class HFCausalLM(torch.nn.Module):
+    """A transformers ``LlamaForCausalLM`` from a random-init ``LlamaConfig`` (nothing is
+    downloaded), its attention and MLP projections converted to ``dtq.nn.Linear``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        try:
+            from transformers import LlamaConfig, LlamaForCausalLM
+        except ImportError:
+            raise RuntimeError("model.kind = \"hf_llama\" needs the transformers package: pip install transformers "
+                               "(it is in dtq's test extra: pip install -e '.[test]')") from None
+        hf_cfg = LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn_hidden,
+                             num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+                             num_key_value_heads=cfg.kv_heads or cfg.heads, max_position_embeddings=cfg.seq_len,
+                             rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
+                             tie_word_embeddings=cfg.tie_embeddings, initializer_range=cfg.init_std,
+                             attention_bias=False, mlp_bias=False, use_cache=False, attn_implementation="sdpa")
+        self.hf = LlamaForCausalLM(hf_cfg)
+        dtq.convert(self.hf, module_filter_fn=lambda module, fqn: fqn != "lm_head")
+
+    @property
+    def blocks(self) -> list[torch.nn.Module]:
+        return list(self.hf.model.layers)
+
+    @property
+    def recompute(self) -> bool:
+        return self.hf.is_gradient_checkpointing
+
+    @recompute.setter
+    def recompute(self, on: bool) -> None:
+        if on:
+            self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            self.hf.gradient_checkpointing_disable()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=tokens, use_cache=False).logits
+
+
+def build_model(cfg: ModelConfig) -> torch.nn.Module:
+    """The model a config asks for, on the CPU, initialized from torch's current RNG state (seed
+    it alike on every rank: FSDP2 shards the same full tensors everywhere)."""
+    return Decoder(cfg) if cfg.kind == "dtq" else HFCausalLM(cfg)

