@@ -137,11 +137,18 @@ __device__ __forceinline__ float nvfp4_factor(uint8_t sb, float s_enc) {
   return sbf == 0.f ? 0.f : __fdiv_rn(s_enc, sbf);
 }
 
-// _bits.e2m1_encode: RNE, saturating, NaN -> +6.
+// _bits.e2m1_encode: RNE, saturating, NaN -> +6. Below 1 the grid is 0.5-spaced (rint(2v));
+// from 1 up it is a float with one mantissa bit, rounded on the fp32 bits (ties to even).
 __device__ __forceinline__ uint32_t e2m1_rne(float x) {
-  if (is_nan(x)) return 7;
-  float v = fabsf(x);
-  uint32_t m = (v > 0.25f) + (v >= 0.75f) + (v > 1.25f) + (v >= 1.75f) + (v > 2.5f) + (v >= 3.5f) + (v > 5.f);
+  const uint32_t b = abs_bits(x);
+  if (b > 0x7F800000u) return 7;
+  uint32_t m;
+  if (b < 0x3F800000u) {
+    m = __float2uint_rn(__fmul_rn(u2f(b), 2.f));
+  } else {
+    m = ((b + 0x1FFFFFu + ((b >> 22) & 1u)) >> 22) - 252u;
+    m = m > 7u ? 7u : m;
+  }
   return m | ((f2u(x) >> 28) & 8);
 }
 

@@ -209,28 +209,17 @@ __device__ __forceinline__ void hadamard_nvfp4(const SlotCfg& s, float (&w0)[16]
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) fused_quantize_kernel(const T* __restrict__ x, int64_t M, int64_t K,
-                                                                  SlotCfg sa, SlotCfg sb, int vec_ok) {
+__device__ __forceinline__ void stage_tile(unsigned char* tile, const T* __restrict__ x, int64_t M, int64_t K,
+                                           int64_t m0, int64_t k0, bool vec_ok) {
   using TL = Tile<T>;
-  extern __shared__ __align__(16) unsigned char smem[];
-  unsigned char* tile = smem;
-  uint32_t* colamax = reinterpret_cast<uint32_t*>(smem + TL::kBytes);      // [kGroups][kTile]
-  uint32_t* tab_a = colamax + kGroups * kTile;                             // block amax, then multipliers
-  uint32_t* tab_b = tab_a + blocks_per_tile(sa);
-
   const int t = threadIdx.x;
-  const int64_t tiles_k = (K + kTile - 1) / kTile;
-  const int64_t m0 = (int64_t(blockIdx.x) / tiles_k) * kTile;
-  const int64_t k0 = (int64_t(blockIdx.x) % tiles_k) * kTile;
   const int rows_valid = M - m0 < kTile ? int(M - m0) : kTile;
   const int cols_valid = K - k0 < kTile ? int(K - k0) : kTile;
-
-  // ---- 0. stage the tile (zeros outside the tensor, as the references pad partial blocks)
-  if (vec_ok) {
+  if (vec_ok) {  // asynchronous 16-byte copies; zero-filled outside the tensor
 #pragma unroll 4
     for (int i = t; i < kTile * TL::kVpr; i += kThreads) {
-      int r = i / TL::kVpr, j = i % TL::kVpr;
-      bool valid = r < rows_valid && j * TL::kEpv < cols_valid;
+      const int r = i / TL::kVpr, j = i % TL::kVpr;
+      const bool valid = r < rows_valid && j * TL::kEpv < cols_valid;
       const T* src = valid ? x + (m0 + r) * K + k0 + j * TL::kEpv : x;
       cp_async16(tile + TL::vec_off(r, j), src, valid);
     }
@@ -238,19 +227,37 @@ __global__ void __launch_bounds__(kThreads) fused_quantize_kernel(const T* __res
     using U = typename std::conditional<sizeof(T) == 4, uint32_t, uint16_t>::type;  // raw bits
     const U* xu = reinterpret_cast<const U*>(x);
     for (int e = t; e < kTile * kTile; e += kThreads) {
-      int r = e / kTile, c = e % kTile;
-      U v = (r < rows_valid && c < cols_valid) ? xu[(m0 + r) * K + k0 + c] : U(0);
+      const int r = e / kTile, c = e % kTile;
+      const U v = (r < rows_valid && c < cols_valid) ? xu[(m0 + r) * K + k0 + c] : U(0);
       *reinterpret_cast<U*>(tile + TL::elem_off(r, c)) = v;
     }
   }
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Stages of the tile pipeline: enough 16-bit tiles in flight per SM to cover HBM latency.
+template <typename T> __host__ __device__ constexpr int stages() { return sizeof(T) == 4 ? 2 : 3; }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Persistent CTAs walk the tiles; tile i + 1 is copied into the other buffer while tile i is
+// processed, so the input stream never waits on the arithmetic.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) fused_quantize_kernel(const T* __restrict__ x, int64_t M, int64_t K,
+                                                                  SlotCfg sa, SlotCfg sb, int vec_ok) {
+  using TL = Tile<T>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int S = stages<T>();
+  uint32_t* colamax = reinterpret_cast<uint32_t*>(smem + S * TL::kBytes);  // [kGroups][kTile]
+  uint32_t* tab_a = colamax + kGroups * kTile;                             // block amax, then multipliers
+  uint32_t* tab_b = tab_a + blocks_per_tile(sa);
+
+  const int t = threadIdx.x;
+  const int64_t tiles_k = (K + kTile - 1) / kTile;
+  const int64_t tiles = ((M + kTile - 1) / kTile) * tiles_k;
+
   // Slot si (0: sa, 1: sb); loops over si are unrolled, so this resolves at compile time.
   auto slot = [&](int si) -> const SlotCfg& { return si ? sb : sa; };
   uint32_t* tabs[2] = {tab_a, tab_b};
-#pragma unroll
-  for (int si = 0; si < 2; ++si) {
-    const SlotCfg& s = slot(si);
-    if (blocks_per_tile(s) && s.bc == kTile && t < kTile / s.br) tabs[si][t] = 0u;  // atomicMax targets
-  }
   float s_enc[2] = {1.f, 1.f}, tensor_mult[2] = {1.f, 1.f};
   uint32_t key[2] = {0u, 0u};
 #pragma unroll
@@ -266,7 +273,35 @@ __global__ void __launch_bounds__(kThreads) fused_quantize_kernel(const T* __res
       if (blockIdx.x == 0 && t == 0) *s.tensor_out = __frcp_rn(tensor_mult[si]);
     }
   }
-  if (vec_ok) cp_async_wait_all();
+
+  if (vec_ok) {  // prologue: the first S - 1 tiles of this CTA in flight
+#pragma unroll
+    for (int p = 0; p < S - 1; ++p) {
+      const int64_t tx = int64_t(blockIdx.x) + int64_t(p) * gridDim.x;
+      if (tx < tiles) stage_tile<T>(smem + p * TL::kBytes, x, M, K, (tx / tiles_k) * kTile, (tx % tiles_k) * kTile, true);
+      cp_async_commit();
+    }
+  }
+  int it = 0;
+  for (int64_t tix = blockIdx.x; tix < tiles; tix += gridDim.x, ++it) {
+  unsigned char* tile = smem + (it % S) * TL::kBytes;
+  const int64_t m0 = (tix / tiles_k) * kTile;
+  const int64_t k0 = (tix % tiles_k) * kTile;
+  const int rows_valid = M - m0 < kTile ? int(M - m0) : kTile;
+  if (vec_ok) {
+    const int64_t nx = tix + int64_t(S - 1) * gridDim.x;
+    if (nx < tiles)
+      stage_tile<T>(smem + ((it + S - 1) % S) * TL::kBytes, x, M, K, (nx / tiles_k) * kTile, (nx % tiles_k) * kTile, true);
+    cp_async_commit();
+    cp_async_wait<S - 1>();
+  } else {
+    stage_tile<T>(tile, x, M, K, m0, k0, false);
+  }
+#pragma unroll
+  for (int si = 0; si < 2; ++si) {
+    const SlotCfg& s = slot(si);
+    if (blocks_per_tile(s) && s.bc == kTile && t < kTile / s.br) tabs[si][t] = 0u;  // atomicMax targets
+  }
   __syncthreads();
 
   // ---- 1. column pass
@@ -390,6 +425,8 @@ __global__ void __launch_bounds__(kThreads) fused_quantize_kernel(const T* __res
       }
     }
   }
+  __syncthreads();  // the buffer and tables are reused by the next tile
+  }
 }
 
 SlotCfg make_cfg(const std::vector<int64_t>& c, const std::vector<at::Tensor>& outs,
@@ -428,10 +465,13 @@ void launch(const at::Tensor& x, const SlotCfg& a, const SlotCfg& b, int vec_ok)
   const int64_t M = x.size(0), K = x.size(1);
   const int64_t tiles = ((M + kTile - 1) / kTile) * ((K + kTile - 1) / kTile);
   TORCH_CHECK(tiles < (int64_t(1) << 31), "dtq kernels: tensor too large");
-  const size_t smem = Tile<T>::kBytes + sizeof(uint32_t) * (kGroups * kTile + blocks_per_tile(a) + blocks_per_tile(b));
+  const size_t smem = stages<T>() * Tile<T>::kBytes + sizeof(uint32_t) * (kGroups * kTile + blocks_per_tile(a) + blocks_per_tile(b));
   auto kern = fused_quantize_kernel<T>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  kern<<<unsigned(tiles), kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, kThreads, smem));
+  const int64_t grid = std::min<int64_t>(tiles, int64_t(sm_count()) * std::max(per_sm, 1));
+  kern<<<unsigned(grid), kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const T*>(x.data_ptr()), M, K, a, b, vec_ok);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -153,7 +153,11 @@ def quantize(x: torch.Tensor, specs: dict[str, KernelSpec], amaxes: dict[str, to
     if len(specs) > 2:
         raise ValueError("the fused kernel writes at most two directions")
     dirs = list(specs)
-    if seed is not None:
+    if not any(s.stochastic for s in specs.values()):
+        seed = None
+    elif not isinstance(seed, torch.Tensor):
+        raise ValueError("stochastic rounding needs a seed tensor")
+    else:
         seed = seed.to(device=x.device, dtype=torch.int64).reshape(())
     args, payloads = [], {}
     for i in range(2):

@@ -114,7 +114,10 @@ class NVFP4Codec(Codec):
             xf = _bits.hadamard_rows(xf, q.hadamard_seed)
         tile = q.tile(direction)
         s_enc = global_scale(amax)
-        s_b = _bits.cast_fp8(_bits.block_amax(xf, tile) / 6.0 * s_enc, torch.float8_e4m3fn)
+        # Divide by a tensor, not a Python scalar: torch's CUDA kernels turn division by a CPU scalar
+        # into multiplication by its reciprocal, which is not the fp32 division this format defines.
+        six = torch.tensor(6.0, dtype=torch.float32, device=x.device)
+        s_b = _bits.cast_fp8(_bits.block_amax(xf, tile) / six * s_enc, torch.float8_e4m3fn)
         s_bf = s_b.to(torch.float32)
         factor = torch.where(s_bf == 0, torch.zeros_like(s_bf), s_enc / s_bf)
         scaled = xf * _bits.expand_blocks(factor, tile, tuple(x.shape))
