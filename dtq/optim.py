@@ -33,18 +33,32 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     ``state_dict()`` holds the inner optimizer's state and the masters (DTensors under FSDP2), so
     ``torch.distributed.checkpoint`` can save and reshard it."""
 
-    def __init__(self, params: Iterable[torch.Tensor], optimizer_cls: type[torch.optim.Optimizer], **optimizer_kwargs: Any):
-        self.params = [p for p in params]
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict], optimizer_cls: type[torch.optim.Optimizer],
+                 **optimizer_kwargs: Any):
+        groups = list(params)
+        if groups and isinstance(groups[0], dict):  # parameter groups, as torch optimizers take them
+            groups = [dict(g, params=list(g["params"])) for g in groups]
+        else:
+            groups = [{"params": groups}]
+        self.params = [p for g in groups for p in g["params"]]
         if not self.params:
             raise ValueError("MasterWeightOptimizer got no parameters")
         self.quantized = [p for p in self.params if _is_quantized(p)]
         self.masters = [_fp32_master(p) for p in self.quantized]
         by_id = {id(p): m for p, m in zip(self.quantized, self.masters)}
-        self.inner = optimizer_cls([by_id.get(id(p), p) for p in self.params], **optimizer_kwargs)
-        # Present the inner optimizer's param groups (LR schedulers act on them).
-        self.param_groups = self.inner.param_groups
+        self.inner = optimizer_cls([dict(g, params=[by_id.get(id(p), p) for p in g["params"]]) for g in groups],
+                                   **optimizer_kwargs)
         self.defaults = self.inner.defaults
-        self.state = self.inner.state
+
+    # The inner optimizer's groups and state, read live: load_state_dict replaces them there, and
+    # LR schedulers must act on the groups the inner optimizer steps with.
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
 
     def _pull_grads(self) -> None:
         for p, m in zip(self.quantized, self.masters):

@@ -33,18 +33,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
     kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2)}
     if not cfg.quantized_params:
         return torch.optim.AdamW(groups, **kwargs)
-    # MasterWeightOptimizer takes a flat parameter list (no groups): build it on all parameters,
-    # then move the no-decay ones (by their master, where they have one) into a second group.
-    opt = dtq.optim.MasterWeightOptimizer([p for g in groups for p in g["params"]], torch.optim.AdamW,
-                                          weight_decay=cfg.weight_decay, **kwargs)
-    master_of = {id(p): m for p, m in zip(opt.quantized, opt.masters)}
-    no_decay = {id(master_of.get(id(p), p)) for p in groups[1]["params"]}
-    first = opt.inner.param_groups[0]
-    moved = [p for p in first["params"] if id(p) in no_decay]
-    first["params"] = [p for p in first["params"] if id(p) not in no_decay]
-    if moved:
-        opt.inner.add_param_group({"params": moved, "weight_decay": 0.0})
-    return opt
+    return dtq.optim.MasterWeightOptimizer(groups, torch.optim.AdamW, **kwargs)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -57,17 +46,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def live_param_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """The parameter groups the optimizer steps with. ``MasterWeightOptimizer.param_groups`` is
-    bound to its inner optimizer's list once, at construction; ``load_state_dict`` gives the inner
-    optimizer a new list, so after a resume only ``.inner.param_groups`` reaches it."""
-    if isinstance(optimizer, dtq.optim.MasterWeightOptimizer):
-        return optimizer.inner.param_groups
-    return optimizer.param_groups
-
-
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in live_param_groups(optimizer):
+    for group in optimizer.param_groups:
         group["lr"] = lr
 
 

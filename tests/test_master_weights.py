@@ -151,3 +151,20 @@ def test_master_weight_optimizer_single_process():
             m.add_(1.0)
     opt.load_state_dict(sd)
     assert all(torch.equal(p.dequantize(), b) for p, b in zip(opt.quantized, before))
+
+
+def test_master_weight_optimizer_param_groups_and_live_groups_after_load():
+    torch.manual_seed(0)
+    model = dtq.convert(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)),
+                        recipe=dtq.MXFP8BlockScaling(), quantized_params=True)
+    groups = [{"params": [model[0].weight, model[0].bias], "weight_decay": 0.0},
+              {"params": [model[1].weight, model[1].bias], "lr": 0.5}]
+    opt = dtq.optim.MasterWeightOptimizer(groups, torch.optim.AdamW, lr=1.0)
+    assert len(opt.masters) == 2  # quantized parameters inside groups get FP32 masters
+    assert [g["lr"] for g in opt.param_groups] == [1.0, 0.5] and opt.param_groups[0]["weight_decay"] == 0.0
+    assert all(any(m is q for q in g["params"]) for m, g in zip(opt.masters, opt.inner.param_groups))
+    opt.load_state_dict(opt.state_dict())
+    opt.param_groups[0]["lr"] = 0.25  # what an LR scheduler does after a resume
+    assert opt.inner.param_groups[0]["lr"] == 0.25
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.1)
+    assert opt.inner.param_groups[1]["lr"] == pytest.approx(0.05) and scheduler.get_last_lr()[1] == pytest.approx(0.05)

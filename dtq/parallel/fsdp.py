@@ -361,7 +361,7 @@ def precompute_amax(model: torch.nn.Module, recipe=None) -> None:
             if q is None:
                 continue
             ctx = gather_context(local)
-            dtype = ctx.fsdp_param.param_dtype or local.dtype
+            dtype = getattr(ctx.fsdp_param, "param_dtype", None) or local.dtype  # set at FSDP2's first forward
             amax = q.local_amax(local._data.to(dtype))
             if amax:
                 pg = ctx.fsdp_param.shard_mesh_from_root.get_group()
