@@ -50,6 +50,13 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                                    **optimizer_kwargs)
         self.defaults = self.inner.defaults
 
+    def register_step_pre_hook(self, hook):
+        """Hooks run around the inner optimizer's step (on the FP32 masters), before the cast."""
+        return self.inner.register_step_pre_hook(lambda opt, args, kwargs: hook(self, args, kwargs))
+
+    def register_step_post_hook(self, hook):
+        return self.inner.register_step_post_hook(lambda opt, args, kwargs: hook(self, args, kwargs))
+
     # The inner optimizer's groups and state, read live: load_state_dict replaces them there, and
     # LR schedulers must act on the groups the inner optimizer steps with.
     @property

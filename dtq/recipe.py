@@ -75,6 +75,9 @@ class CustomRecipe(Recipe):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.qfactory is Recipe.qfactory:  # the dataclass took the base class's method as a default
+            raise TypeError("CustomRecipe needs a quantizer factory: CustomRecipe(qfactory) with qfactory(role) -> "
+                            "quantizer | None")
         if not callable(self.qfactory):
             raise TypeError(f"CustomRecipe: qfactory must be callable (role -> quantizer), got {type(self.qfactory).__name__}")
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import dtq
+from dtq.parallel import tp
 from launch.config import ModelConfig
 
 
@@ -29,41 +30,52 @@ def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
 
 class Attention(torch.nn.Module):
     """RMSNorm fused into the QKV projection (``dtq.nn.LayerNormLinear``), rotary embeddings,
-    causal SDPA, and the output projection (``dtq.nn.Linear``)."""
+    causal SDPA, and the output projection (``dtq.nn.Linear``). Activations are sequence-first
+    ``[seq, batch, hidden]``; QKV rows are head-major (``[head][q|k|v][head_dim]``), so a
+    tensor-parallel row shard holds whole heads and this module runs on however many it holds."""
 
     def __init__(self, cfg: ModelConfig, name: str):
         super().__init__()
-        self.heads, self.theta = cfg.heads, cfg.rope_theta
+        self.head_dim, self.theta = cfg.hidden // cfg.heads, cfg.rope_theta
         self.qkv = dtq.nn.LayerNormLinear(cfg.hidden, 3 * cfg.hidden, bias=False, normalization="RMSNorm",
                                           eps=cfg.norm_eps, name=f"{name}.qkv")
         self.proj = dtq.nn.Linear(cfg.hidden, cfg.hidden, bias=False, name=f"{name}.proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, h = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(x)  # [seq, batch, 3 * local hidden]: the whole sequence, under SP too
+        t, b, n = qkv.shape
+        q, k, v = qkv.view(t, b, n // (3 * self.head_dim), 3, self.head_dim).permute(3, 1, 2, 0, 4)
         q, k = rotary(q, self.theta), rotary(k, self.theta)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(out.transpose(1, 2).reshape(b, t, h))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [batch, heads, seq, head_dim]
+        return self.proj(out.permute(2, 0, 1, 3).reshape(t, b, -1))
 
 
 class Block(torch.nn.Module):
     """Pre-norm residual block: ``x + attn(x)`` then ``x + mlp(x)``, the MLP's RMSNorm fused into
-    ``dtq.nn.LayerNormMLP`` with SwiGLU."""
+    ``dtq.nn.LayerNormMLP`` with SwiGLU (gate/up rows interleaved in blocks, so tensor
+    parallelism can split the MLP at any TP size that divides the blocks)."""
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.attn = Attention(cfg, f"layers.{index}.attn")
         self.mlp = dtq.nn.LayerNormMLP(cfg.hidden, cfg.ffn_hidden, bias=False, normalization="RMSNorm",
-                                       activation="swiglu", eps=cfg.norm_eps, name=f"layers.{index}.mlp")
+                                       activation="swiglu", eps=cfg.norm_eps, name=f"layers.{index}.mlp",
+                                       swiglu_interleave=SWIGLU_INTERLEAVE if cfg.ffn_hidden % SWIGLU_INTERLEAVE == 0
+                                       else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(x)
         return x + self.mlp(x)
 
 
+SWIGLU_INTERLEAVE = 64
+
+
 class Decoder(torch.nn.Module):
     """Byte-level Llama-style decoder. ``recompute=True`` recomputes each block in backward
-    (``torch.utils.checkpoint``, non-reentrant)."""
+    (``torch.utils.checkpoint``, non-reentrant). With sequence parallelism (``sp_group`` set by
+    ``launch.parallel``) the blocks run on this rank's slice of the sequence; embedding, final
+    norm and LM head see the whole sequence on every rank."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -77,16 +89,21 @@ class Decoder(torch.nn.Module):
         else:
             torch.nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
         self.recompute = False
+        self.sp_group = None
 
     @property
     def blocks(self) -> list[torch.nn.Module]:
         return list(self.layers)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
+        x = self.embed(tokens).transpose(0, 1)  # sequence-first: the dim sequence parallelism splits
+        if self.sp_group is not None:
+            x = tp.SplitToSP.apply(x, self.sp_group)
         for layer in self.layers:
             x = checkpoint(layer, x, use_reentrant=False) if self.recompute and self.training else layer(x)
-        return self.lm_head(self.norm(x))
+        if self.sp_group is not None:
+            x = tp.GatherToReplicated.apply(x, self.sp_group)
+        return self.lm_head(self.norm(x.transpose(0, 1)))
 
 
 class HFCausalLM(torch.nn.Module):

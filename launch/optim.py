@@ -68,3 +68,22 @@ def materialize_state(optimizer: torch.optim.Optimizer) -> None:
         g["lr"] = lr
     for p in params:
         p.grad = None
+
+
+@torch.no_grad()
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` over gradients that live on different device meshes (tensor-parallel
+    weights on the 2-D mesh, the rest on the data-parallel one), which torch's version cannot
+    stack: one norm per mesh, combined, then every gradient scaled by the same factor."""
+    by_mesh: dict = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total

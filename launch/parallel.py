@@ -1,11 +1,15 @@
 """Parallelizing the model: tensor/sequence parallelism first (on the mesh's "tp" dim), then FSDP2
-``fully_shard`` on every block and on the root (on the "dp" dim)."""
+``fully_shard`` on every block and on the root (on the "dp" dim). Mesh ranks are laid out
+``(dp, tp)``: the ``tp`` ranks of one data-parallel replica are consecutive."""
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import parallelize_module
+
+import dtq
 
 from launch.config import Config
 
@@ -20,21 +24,34 @@ def make_mesh(device: torch.device, world_size: int, tp: int) -> DeviceMesh:
 
 
 def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh, cfg: Config) -> None:
-    """The seam for dtq's DTensor parallel styles on ``mesh["tp"]`` (column-wise QKV / fc1,
-    row-wise proj / fc2, sequence-parallel norms with quantized input gathers), applied before
-    FSDP2 shards the result over ``mesh["dp"]``. Those styles are not in dtq yet."""
-    raise NotImplementedError(
-        f"config: parallel.tp = {cfg.parallel.tp}: tensor/sequence parallelism needs dtq's DTensor parallel styles "
-        "for dtq modules, which do not exist yet (torch's ColwiseParallel/RowwiseParallel refuse dtq modules); "
-        "set parallel.tp = 1 and scale out with FSDP2 ranks")
+    """dtq's TP styles on ``mesh["tp"]``: QKV column-wise, the attention output projection
+    row-wise, the MLP as a column/row pair; with ``parallel.sequence_parallel`` the activations
+    between them stay split along the sequence and the GEMMs gather their inputs quantized."""
+    if cfg.model.kind != "dtq":
+        raise ValueError(f"config: parallel.tp = {cfg.parallel.tp} needs model.kind = \"dtq\" (the transformers Llama "
+                         "path runs with FSDP2 only)")
+    tp_mesh, sp = mesh["tp"], cfg.parallel.sequence_parallel
+    heads, size = cfg.model.heads, tp_mesh.size()
+    if heads % size:
+        raise ValueError(f"config: model.heads = {heads} must be divisible by parallel.tp = {size} (each rank holds "
+                         "whole attention heads)")
+    plan = {"attn.qkv": dtq.parallel.ColwiseParallel(sequence_parallel=sp),
+            "attn.proj": dtq.parallel.RowwiseParallel(sequence_parallel=sp),
+            "mlp": dtq.parallel.LayerNormMLPParallel(sequence_parallel=sp)}
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, plan)
+    model.sp_group = tp_mesh.get_group() if sp else None
 
 
-def parallelize(model: torch.nn.Module, mesh: DeviceMesh, cfg: Config) -> torch.nn.Module:
-    """TP styles (when ``tp > 1``), then FSDP2 per block and on the root. Parameters are kept in
-    their dtype; ``train.dtype = "bfloat16"`` makes FSDP2 gather and compute in BF16 with FP32
-    gradient reduction."""
+def parallelize(model: torch.nn.Module, mesh: DeviceMesh, cfg: Config, recipe=None) -> torch.nn.Module:
+    """TP styles (when ``tp > 1``), then quantized parameters (``train.quantized_params``: after the
+    styles, so every TP shard is the slice of the whole weight's quantization), then FSDP2 per
+    block and on the root. Parameters are kept in their dtype; ``train.dtype = "bfloat16"`` makes
+    FSDP2 gather and compute in BF16 with FP32 gradient reduction."""
     if cfg.parallel.tp > 1:
         apply_tensor_parallel(model, mesh, cfg)
+    if cfg.train.quantized_params:
+        dtq.convert(model, recipe=recipe, quantized_params=True, module_filter_fn=lambda m, fqn: False)
     dp = mesh["dp"] if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names else mesh
     mp = None
     if cfg.train.dtype == "bfloat16":

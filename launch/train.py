@@ -85,9 +85,9 @@ def evaluate(model, val: data.ByteWindows, cfg: config_mod.Config, recipe, devic
         x, y = val.batch((i * world + rank) * b, b)
         with dtq.autocast(recipe, enabled=recipe is not None):
             total += lm_loss(model, x.to(device), y.to(device))
-    dist.all_reduce(total)
+    dist.all_reduce(total)  # the tp ranks of a replica hold the same loss: average over every rank
     model.train()
-    return total.item() / (world * cfg.train.eval_batches)
+    return total.item() / (dist.get_world_size() * cfg.train.eval_batches)
 
 
 def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto") -> dict:
@@ -106,12 +106,10 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto") 
     torch.manual_seed(tc.seed)  # the same initial weights on every rank
     model = build_model(cfg.model)
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    dp_world = world // cfg.parallel.tp
+    dp_world, dp_rank = world // cfg.parallel.tp, rank // cfg.parallel.tp  # mesh (dp, tp): tp ranks adjacent
     preflight.check_shapes(model, recipe, tokens_per_rank, dp_world)
-    if tc.quantized_params:
-        dtq.convert(model, recipe=recipe, quantized_params=True, module_filter_fn=lambda m, fqn: False)
     mesh = parallel.make_mesh(device, world, cfg.parallel.tp)
-    model = parallel.parallelize(model, mesh, cfg)
+    model = parallel.parallelize(model, mesh, cfg, recipe)
     model.recompute = tc.recompute
     opt = optim.build_optimizer(model, tc)
 
@@ -149,34 +147,28 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto") 
     if step >= tc.steps and rank == 0:
         print(f"already at step {step} of {tc.steps}; raise train.steps to continue", flush=True)
 
+    if recipe is not None and not tc.quantized_params:
+        dtq.parallel.precompute_amax(model, recipe)  # the first step's gathers too
     dtq.parallel.comm_stats(reset=True)
     loss_sum, interval_steps, t0 = torch.zeros((), device=device), 0, time.perf_counter()
     last = {"loss": float("nan"), "val_loss": float("nan")}
     b = tc.batch_size
-    first_step = True
     while step < tc.steps:
         step += 1
         lr = optim.lr_at(step, tc)
         optim.set_lr(opt, lr)
-        x, y = train_data.batch(samples + rank * b, b)  # this rank's slice of the global batch
+        x, y = train_data.batch(samples + dp_rank * b, b)  # this replica's slice of the global batch
         x, y = x.to(device), y.to(device)
-        with warnings.catch_warnings():
-            if first_step:  # precompute_amax cannot run before FSDP2's lazy init (see below)
-                warnings.filterwarnings("ignore", message="dtq: reducing the amax")
-            with dtq.autocast(recipe, enabled=recipe is not None), activation_memory(tc, device):
-                loss = lm_loss(model, x, y)
-            loss.backward()
-        first_step = False
+        with dtq.autocast(recipe, enabled=recipe is not None), activation_memory(tc, device):
+            loss = lm_loss(model, x, y)
+        loss.backward()
         if tc.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+            optim.clip_grad_norm(model.parameters(), tc.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if recipe is not None and not tc.quantized_params:
-            # Every weight's global amax in one all-reduce for the next gathers. (Before the first
-            # forward, FSDP2 has not initialized its parameters' dtypes and precompute_amax fails;
-            # that first step's gathers reduce each amax on their own.)
-            dtq.parallel.precompute_amax(model, recipe)
-        samples += b * world
+            dtq.parallel.precompute_amax(model, recipe)  # every weight's amax in one all-reduce
+        samples += b * dp_world
         loss_sum += loss.detach()
         interval_steps += 1
 
@@ -184,7 +176,7 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto") 
             dist.all_reduce(loss_sum)
             elapsed = time.perf_counter() - t0
             rec = {"kind": "train", "step": step, "loss": loss_sum.item() / (world * interval_steps), "lr": lr,
-                   "tokens_per_s": interval_steps * tokens_per_rank * world / elapsed,
+                   "tokens_per_s": interval_steps * tokens_per_rank * dp_world / elapsed,
                    "gathered_bytes": dtq.parallel.comm_stats(reset=True), "samples": samples,
                    "elapsed_s": elapsed}
             last["loss"] = rec["loss"]
@@ -194,7 +186,7 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto") 
             loss_sum.zero_()
             interval_steps, t0 = 0, time.perf_counter()
         if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
-            last["val_loss"] = evaluate(model, val_data, cfg, recipe, device, rank, world)
+            last["val_loss"] = evaluate(model, val_data, cfg, recipe, device, dp_rank, dp_world)
             log.write({"kind": "eval", "step": step, "val_loss": last["val_loss"]})
             if rank == 0:
                 print(f"step {step}: validation loss {last['val_loss']:.4f}", flush=True)

@@ -166,5 +166,9 @@ def test_master_weight_optimizer_param_groups_and_live_groups_after_load():
     opt.load_state_dict(opt.state_dict())
     opt.param_groups[0]["lr"] = 0.25  # what an LR scheduler does after a resume
     assert opt.inner.param_groups[0]["lr"] == 0.25
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(o is opt))
+    opt.step()  # no gradients: AdamW skips the parameters, the hook still runs
+    assert calls == [True]
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.1)
     assert opt.inner.param_groups[1]["lr"] == pytest.approx(0.05) and scheduler.get_last_lr()[1] == pytest.approx(0.05)

@@ -292,6 +292,8 @@ def test_delayed_scaling_uses_history():
 
 def test_errors_are_actionable():
     lin = dtq.nn.Linear(K, N, name="proj")
+    with pytest.raises(TypeError, match=r"CustomRecipe needs a quantizer factory"):
+        dtq.CustomRecipe()
     with pytest.raises(TypeError, match="factory returned str.*tensor_type='input'"):
         with dtq.autocast(dtq.CustomRecipe(lambda role: "mxfp8")):
             lin(torch.randn(TOKENS, K))

@@ -62,10 +62,20 @@ def test_recipes_by_name_and_by_factory():
         build_recipe("hybrid", "high_precision")
 
 
-def test_tensor_parallel_is_a_clear_not_implemented():
-    cfg = config.load(None, ["parallel.tp=2"])
-    with pytest.raises(NotImplementedError, match="parallel.tp = 2: tensor/sequence parallelism"):
-        parallel.parallelize(Decoder(cfg.model), None, cfg)
+def test_tensor_parallel_config_errors():
+    with pytest.raises(ValueError, match="parallel.sequence_parallel = true needs parallel.tp > 1"):
+        config.load(None, ["parallel.sequence_parallel=true"])
+    cfg = config.load(None, ["parallel.tp=2", "model.kind=hf_llama"])
+    with pytest.raises(ValueError, match='parallel.tp = 2 needs model.kind = "dtq"'):
+        parallel.apply_tensor_parallel(None, None, cfg)
+    cfg = config.load(None, ["parallel.tp=3", "model.heads=4"])
+
+    class _Mesh(dict):  # only its "tp" size is read before the check
+        def __getitem__(self, key):
+            return type("M", (), {"size": lambda self: 3})()
+
+    with pytest.raises(ValueError, match="model.heads = 4 must be divisible by parallel.tp = 3"):
+        parallel.apply_tensor_parallel(None, _Mesh(), cfg)
 
 
 def _decoder(*overrides):

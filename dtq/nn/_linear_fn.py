@@ -120,6 +120,9 @@ def _hp(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.__dtq_unwrap__().to(dtype) if hasattr(t, "__dtq_unwrap__") else t.to(dtype)
 
 
+_HP_OVERRIDE = "the recipe's backward_override uses high-precision operands in backward"
+
+
 def _local_weight(weight: torch.Tensor) -> torch.Tensor:
     """A tensor-parallel (DTensor) weight's local shard: the very object FSDP2 refills."""
     return weight._local_tensor if hasattr(weight, "_local_tensor") and hasattr(weight, "device_mesh") else weight
@@ -151,7 +154,7 @@ class LinearFn(torch.autograd.Function):
         gather = group if tp_spec is not None and tp_spec.gathers_input else None
         bwd_cols = override is None
         if gather is not None and override == "high_precision":
-            x2 = tp.gather_rows(x2, gather)  # this override keeps the whole high-precision input
+            x2 = tp.gather_rows(x2, gather, reason=_HP_OVERRIDE)  # the override saves the high-precision input
             xq = sx.quantize(x2, rowwise=True, columnwise=False, replay=replay)
         else:
             xq = sx.quantize(x2, rowwise=True, columnwise=bwd_cols and need_wgrad, replay=replay, group=gather)
@@ -185,7 +188,8 @@ class LinearFn(torch.autograd.Function):
         y = y.to(x.dtype)
         if tp_spec is not None and tp_spec.scatters_output:
             y = tp.reduce_scatter_rows(y, group)
-        return y.reshape(_rows_shape(x.shape, y.shape[0], y.shape[-1]))
+        # Not a view of y (as reshape would give): FSDP2 warns about modules that return views.
+        return torch.ops.aten._unsafe_view(y.contiguous(), _rows_shape(x.shape, y.shape[0], y.shape[-1]))
 
     @staticmethod
     @once_differentiable
@@ -208,7 +212,7 @@ class LinearFn(torch.autograd.Function):
                 dw = dw.to(ctx.w_dtype)
         else:
             if scatter is not None:
-                dy2 = tp.gather_rows(dy2, scatter)  # the overrides use the high-precision gradient
+                dy2 = tp.gather_rows(dy2, scatter, reason=_HP_OVERRIDE)  # the overrides use the high-precision gradient
             if ctx.override == "high_precision":
                 # Same products, in the same order and dtype, as torch's own linear backward, so that
                 # the gradients are bitwise those of the unquantized module.

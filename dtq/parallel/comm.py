@@ -21,8 +21,8 @@ def record_fallback(dtype, nbytes: int, where: str, why: str) -> None:
     _BYTES[f"{name}/fallback"] += int(nbytes)
     if why not in _WARNED:
         _WARNED.add(why)
-        warnings.warn(f"dtq: {where} (and any other parameter in the same situation) is gathered in high precision "
-                      f"({name}): {why}; dtq.parallel.comm_stats() counts these bytes as '{name}/fallback'",
+        warnings.warn(f"dtq: {where} is gathered in high precision ({name}): {why}. dtq.parallel.comm_stats() "
+                      f"counts these bytes as '{name}/fallback' (warned once per reason, not per tensor)",
                       stacklevel=3)
 
 

@@ -169,7 +169,10 @@ def post_all_gather(outputs, meta: _GatherMeta, param_dtype: torch.dtype, out: Q
         payloads[d] = dict(payloads[src])
     if out is not None:
         # FSDP2 keeps one unsharded parameter object across gathers (autograd accumulates into
-        # it); refill it with this gather's payloads.
+        # it); refill it with this gather's payloads (a TP parameter's local tensor: the object
+        # GEMMs saved for backward).
+        if hasattr(out, "device_mesh"):
+            out = out._local_tensor
         out._quantizer, out._payloads, out._shape2d = meta.quantizer, payloads, shape_2d(meta.full_shape)
         return None
     return QuantizedTensor(meta.full_shape, param_dtype, meta.quantizer, payloads), ()

@@ -27,9 +27,10 @@ def _all_gather_rows(t: torch.Tensor, group) -> torch.Tensor:
 
 
 def gather_rows(x: torch.Tensor, group, reason: str | None = None) -> torch.Tensor:
-    """Plain all-gather along dim 0 in ``x``'s dtype, counted as ``<dtype>/high_precision`` (what
-    the caller asked for, e.g. a BF16 run or a ``high_precision`` backward override) or, with a
-    ``reason``, as a warned ``<dtype>/fallback``."""
+    """Plain all-gather along dim 0 in ``x``'s dtype. With a ``reason`` (a GEMM operand that moves
+    in high precision: no recipe, no quantizer, a high-precision backward override) it is counted
+    as ``<dtype>/fallback`` and warned about once; without, as ``<dtype>/high_precision`` (high
+    precision on purpose: cheaper than the payloads, or feeding a high-precision layer)."""
     nbytes = x.numel() * x.element_size() * dist.get_world_size(group)
     if reason is None:
         comm.record(str(x.dtype).replace("torch.", ""), "high_precision", nbytes)
@@ -107,14 +108,17 @@ class ReduceFromTP(torch.autograd.Function):
         return g, None
 
 
+NO_RECIPE = "no dtq recipe is active for its module (run the step under dtq.autocast)"
+
+
 class GatherFromSP(torch.autograd.Function):
     """High-precision sequence gather (forward) / reduce-scatter (backward), for GEMMs that run
-    without a recipe."""
+    without a recipe (a counted, warned fall-back)."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return gather_rows(x, group)
+        return gather_rows(x, group, reason=NO_RECIPE)
 
     @staticmethod
     def backward(ctx, g):
@@ -122,7 +126,8 @@ class GatherFromSP(torch.autograd.Function):
 
 
 class ScatterToSP(torch.autograd.Function):
-    """Reduce-scatter of partial outputs (forward) / high-precision gather of the gradient."""
+    """Reduce-scatter of partial outputs (forward) / high-precision gather of the gradient, for
+    GEMMs that run without a recipe (a counted, warned fall-back)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -131,7 +136,35 @@ class ScatterToSP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        return gather_rows(g, ctx.group, reason=NO_RECIPE), None
+
+
+class SplitToSP(torch.autograd.Function):
+    """Keep this rank's dim-0 slice of a replicated tensor (entering a sequence-parallel region);
+    backward gathers the slices' gradients, so replicated producers see the whole gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.chunk(dist.get_world_size(group))[dist.get_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
         return gather_rows(g, ctx.group), None
+
+
+class GatherToReplicated(torch.autograd.Function):
+    """Gather dim-0 slices into the whole tensor (leaving a sequence-parallel region for a
+    computation every rank repeats); backward keeps this rank's slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return gather_rows(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.chunk(dist.get_world_size(ctx.group))[dist.get_rank(ctx.group)].contiguous(), None
 
 
 def gather_along_first_dim(x: torch.Tensor, group: dist.ProcessGroup | None = None,
