@@ -1,8 +1,10 @@
-// Dequantize one direction payload to fp32 [M, K] (the emulated GEMMs' operands), reproducing the
-// codecs' dequantize (and NVFP4's dequantize_factored) bit for bit: code value times block scale
-// in fp32, NVFP4 then divided by S_enc, the random Hadamard inverted with the same butterflies.
-// One thread per output element (codes and scales are small, the fp32 output dominates the
-// traffic); Hadamard columns take one thread per 16-row group and column.
+// Dequantize one direction payload to [M, K] fp32 or bf16 (the emulated GEMMs' operands),
+// reproducing the codecs' dequantize (and dequantize_factored) bit for bit: code value times block
+// scale in fp32, NVFP4 then divided by S_enc, the random Hadamard inverted with the same
+// butterflies; a bf16 output is the RNE rounding of that fp32 value (exact where the format's
+// exact_dtype says so). Eight elements of a row per thread (8-byte FP8 / 4-byte FP4 code loads,
+// 16- or 32-byte stores); unaligned or K % 8 != 0 tensors take a one-element-per-thread loop.
+// Hadamard columns take one thread per 16-row group and column.
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -53,15 +55,76 @@ __device__ __forceinline__ float element(const DeqCfg& d, float s_enc, int64_t r
   return v;
 }
 
-__global__ void __launch_bounds__(kThreads) dequant_kernel(DeqCfg d, float* __restrict__ out) {
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+
+template <typename OutT>
+__global__ void __launch_bounds__(kThreads) dequant_kernel(DeqCfg d, OutT* __restrict__ out) {
   const float s_enc = d.kind == kNVFP4 ? nvfp4_senc(*d.tensor) : 1.f;
   const int64_t n = d.M * d.K;
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads)
-    out[i] = element(d, s_enc, i / d.K, i % d.K);
+    store(out + i, element(d, s_enc, i / d.K, i % d.K));
+}
+
+__device__ __forceinline__ void store8(float* p, const float (&v)[8]) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+__device__ __forceinline__ void store8(__nv_bfloat16* p, const float (&v)[8]) {
+  uint4 packed;
+  uint32_t* w = reinterpret_cast<uint32_t*>(&packed);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    __nv_bfloat162 two = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
+    w[j] = *reinterpret_cast<uint32_t*>(&two);
+  }
+  *reinterpret_cast<uint4*>(p) = packed;
+}
+
+// Eight consecutive elements of one row per thread. Blocks along K are 16 or more wide and the
+// eight start on a multiple of 8, so they share one scale; blocks along M (bc == 1) give each
+// column its own.
+template <typename OutT>
+__global__ void __launch_bounds__(kThreads) dequant_vec8_kernel(DeqCfg d, OutT* __restrict__ out) {
+  const float s_enc = d.kind == kNVFP4 ? nvfp4_senc(*d.tensor) : 1.f;
+  const int64_t kv = d.K / 8, n = d.M * kv;
+  for (int64_t v = int64_t(blockIdx.x) * kThreads + threadIdx.x; v < n; v += int64_t(gridDim.x) * kThreads) {
+    const int64_t r = v / kv, c0 = (v - r * kv) * 8, i0 = r * d.K + c0;
+    float q[8];
+    if (d.kind == kNVFP4) {
+      const uint32_t packed = *reinterpret_cast<const uint32_t*>(d.data + (i0 >> 1));
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const uint32_t code = (packed >> (4 * j)) & 0xF;
+        const float m = e2m1_magnitude(code & 7);
+        q[j] = (code & 8) ? -m : m;
+      }
+    } else {
+      const uint2 codes = *reinterpret_cast<const uint2*>(d.data + i0);
+      const uint8_t* b = reinterpret_cast<const uint8_t*>(&codes);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) q[j] = fp8_value(b[j], d.e5m2);
+    }
+    float vals[8];
+    if (d.bc == 1) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) vals[j] = __fmul_rn(q[j], block_scale(d, r, c0 + j));
+    } else {
+      const float s = block_scale(d, r, c0);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) vals[j] = __fmul_rn(q[j], s);
+    }
+    if (d.kind == kNVFP4 && !d.factored) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) vals[j] = __fdiv_rn(vals[j], s_enc);
+    }
+    store8(out + i0, vals);
+  }
 }
 
 // Inverse transform T^T = diag(signs) . H16 / 4 of _bits.hadamard_rows(inverse=True): walsh, * 0.25, * signs.
-__global__ void __launch_bounds__(kThreads) dequant_hadamard_kernel(DeqCfg d, float* __restrict__ out) {
+template <typename OutT>
+__global__ void __launch_bounds__(kThreads) dequant_hadamard_kernel(DeqCfg d, OutT* __restrict__ out) {
   const float s_enc = nvfp4_senc(*d.tensor);
   const int64_t items = (d.M / 16) * d.K;
   for (int64_t it = int64_t(blockIdx.x) * kThreads + threadIdx.x; it < items; it += int64_t(gridDim.x) * kThreads) {
@@ -82,7 +145,7 @@ __global__ void __launch_bounds__(kThreads) dequant_hadamard_kernel(DeqCfg d, fl
     }
 #pragma unroll
     for (int i = 0; i < 16; ++i)
-      out[(g * 16 + i) * d.K + c] = __fmul_rn(__fmul_rn(v[i], 0.25f), ((d.signs >> i) & 1) ? -1.f : 1.f);
+      store(out + (g * 16 + i) * d.K + c, __fmul_rn(__fmul_rn(v[i], 0.25f), ((d.signs >> i) & 1) ? -1.f : 1.f));
   }
 }
 
@@ -92,8 +155,9 @@ __global__ void __launch_bounds__(kThreads) dequant_hadamard_kernel(DeqCfg d, fl
 void dequantize(const at::Tensor& data, const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& tensor,
                 const std::vector<int64_t>& cfg, const at::Tensor& out) {
   TORCH_CHECK(cfg.size() == 7, "dtq kernels: dequantize config needs 7 ints");
-  TORCH_CHECK(out.is_cuda() && out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kFloat,
-              "dtq kernels: dequantize out must be a contiguous fp32 [M, K] CUDA tensor");
+  TORCH_CHECK(out.is_cuda() && out.dim() == 2 && out.is_contiguous() &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "dtq kernels: dequantize out must be a contiguous fp32 or bf16 [M, K] CUDA tensor");
   TORCH_CHECK(data.is_cuda() && data.is_contiguous() && data.element_size() == 1, "dtq kernels: codes must be 1-byte");
   DeqCfg d{};
   d.kind = int(cfg[0]); d.br = int(cfg[1]); d.bc = int(cfg[2]); d.e5m2 = int(cfg[3]);
@@ -115,14 +179,29 @@ void dequantize(const at::Tensor& data, const c10::optional<at::Tensor>& scale, 
   const c10::cuda::CUDAGuard guard(out.device());
   const int sms = sm_count();
   auto stream = c10::cuda::getCurrentCUDAStream();
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
   if (d.hadamard) {
     TORCH_CHECK(d.kind == kNVFP4 && d.M % 16 == 0, "dtq kernels: Hadamard dequantize is NVFP4 with M % 16 == 0");
     const int64_t items = (d.M / 16) * d.K;
     const int64_t grid = std::min<int64_t>((items + kThreads - 1) / kThreads, int64_t(sms) * 16);
-    dequant_hadamard_kernel<<<unsigned(grid), kThreads, 0, stream>>>(d, out.data_ptr<float>());
+    if (bf16)
+      dequant_hadamard_kernel<<<unsigned(grid), kThreads, 0, stream>>>(d, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
+    else
+      dequant_hadamard_kernel<<<unsigned(grid), kThreads, 0, stream>>>(d, out.data_ptr<float>());
+  } else if (d.K % 8 == 0 && reinterpret_cast<uintptr_t>(d.data) % 8 == 0 &&
+             reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0) {
+    const int64_t items = d.M * (d.K / 8);
+    const int64_t grid = std::min<int64_t>((items + kThreads - 1) / kThreads, int64_t(sms) * 16);
+    if (bf16)
+      dequant_vec8_kernel<<<unsigned(grid), kThreads, 0, stream>>>(d, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
+    else
+      dequant_vec8_kernel<<<unsigned(grid), kThreads, 0, stream>>>(d, out.data_ptr<float>());
   } else {
     const int64_t grid = std::min<int64_t>((out.numel() + kThreads - 1) / kThreads, int64_t(sms) * 32);
-    dequant_kernel<<<unsigned(grid), kThreads, 0, stream>>>(d, out.data_ptr<float>());
+    if (bf16)
+      dequant_kernel<<<unsigned(grid), kThreads, 0, stream>>>(d, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
+    else
+      dequant_kernel<<<unsigned(grid), kThreads, 0, stream>>>(d, out.data_ptr<float>());
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

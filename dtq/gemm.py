@@ -2,8 +2,12 @@
 
 ``mm(a, b, ...)`` computes ``op(A) @ op(B)`` where each operand is a 2-D ``QuantizedTensor`` (one
 of its directions) or a plain high-precision tensor. A native scaled GEMM runs where the hardware
-has one for that pairing; everything else is emulated: dequantize to fp32 (per-tensor factors
-split off), fp32 matmul, factors applied after. Any pairing therefore works.
+has one for that pairing; everything else is emulated: dequantize (per-tensor factors split off),
+multiply with fp32 accumulation, factors applied after. Any pairing therefore works. On CUDA,
+operands whose values bf16 holds exactly (MXFP8, NVFP4, FP8 with power-of-two block scales, BF16)
+are multiplied on BF16 tensor cores (fp32 accumulation and output); others in fp32 with TF32 off.
+Operands that share NVFP4's random-Hadamard rotation along the contraction dim (wgrad) are
+multiplied rotated, since ``(T a)^T (T b) = a^T b``.
 """
 
 from __future__ import annotations
@@ -77,13 +81,24 @@ class Operand:
         m, k = self.tensor.shape2d if self.quantized else shape_2d(self.tensor.shape)
         return (k, m) if self.transpose else (m, k)
 
-    def values(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """fp32 [rows, cols] of op(X) and its per-tensor factor."""
+    @property
+    def rotation(self):
+        return codec_for(self.quantizer).rotation(self.quantizer, self.direction) if self.quantized else None
+
+    def exact_dtype(self, rotated: bool = False) -> torch.dtype:
         if self.quantized:
-            q = self.quantizer
-            vals, factor = codec_for(q).dequantize_factored(q, self.payload, self.direction, self.tensor.shape2d)
+            return codec_for(self.quantizer).exact_dtype(self.quantizer, self.payload, self.direction, rotated)
+        return torch.bfloat16 if self.tensor.dtype == torch.bfloat16 else torch.float32
+
+    def values(self, rotated: bool = False, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[rows, cols] of op(X) in ``dtype`` and its per-tensor factor (``rotated``: left in the
+        payload's rotation)."""
+        if self.quantized:
+            q, codec = self.quantizer, codec_for(self.quantizer)
+            read = codec.dequantize_rotated if rotated else codec.dequantize_factored
+            vals, factor = read(q, self.payload, self.direction, self.tensor.shape2d, dtype)
         else:
-            vals, factor = self.tensor.reshape(-1, self.tensor.shape[-1]).to(torch.float32), None
+            vals, factor = self.tensor.reshape(-1, self.tensor.shape[-1]).to(dtype), None
         return (vals.t() if self.transpose else vals), factor
 
 
@@ -94,15 +109,57 @@ class GemmPath:
     run: Callable[[Operand, Operand, torch.dtype], torch.Tensor]
 
 
-def _emulated(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
-    va, fa = a.values()
-    vb, fb = b.values()
-    with _ieee_fp32(va.device):
-        out = va @ vb
+def _shared_rotation(a: Operand, b: Operand) -> bool:
+    """Both operands hold their values rotated by the same orthogonal T along the contraction dim
+    (the stored rows: A transposed, B not, as in wgrad): the product needs no inverse."""
+    return a.transpose and not b.transpose and a.rotation is not None and a.rotation == b.rotation
+
+
+def _apply_factors(out: torch.Tensor, fa, fb, out_dtype: torch.dtype) -> torch.Tensor:
     for f in (fa, fb):
         if f is not None:
             out = out * f
     return out.to(out_dtype)
+
+
+def _emulated(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    rotated = _shared_rotation(a, b)
+    va, fa = a.values(rotated)
+    vb, fb = b.values(rotated)
+    with _ieee_fp32(va.device):
+        out = va @ vb
+    return _apply_factors(out, fa, fb, out_dtype)
+
+
+def _bf16_exact_ok(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
+    if not (a.tensor.is_cuda and b.tensor.is_cuda):
+        return False
+    rotated = _shared_rotation(a, b)
+    return a.exact_dtype(rotated) == torch.bfloat16 and b.exact_dtype(rotated) == torch.bfloat16
+
+
+@contextlib.contextmanager
+def _full_precision_bf16_reduction() -> Iterator[None]:
+    """cuBLAS may reduce split-K partial sums in bf16 unless told not to."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_bf16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = before
+
+
+def _emulated_bf16(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    # Every value is exactly a bf16 number and every product of two is exact in fp32, so a BF16
+    # tensor-core GEMM with fp32 accumulation and output computes what the fp32 emulation does, up
+    # to the order of the fp32 sums: the cost over a BF16 GEMM is the dequantization traffic.
+    rotated = _shared_rotation(a, b)
+    va, fa = a.values(rotated, torch.bfloat16)
+    vb, fb = b.values(rotated, torch.bfloat16)
+    with _full_precision_bf16_reduction():
+        out = torch.mm(va, vb, out_dtype=torch.float32)
+    return _apply_factors(out, fa, fb, out_dtype)
 
 
 def _sm_at_least(t: torch.Tensor, major: int, minor: int = 0) -> bool:
@@ -196,6 +253,7 @@ def _fp8_blockwise(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tens
 PATHS: list[GemmPath] = [
     GemmPath("fp8_tensorwise_scaled_mm", _fp8_tensorwise_ok, _fp8_tensorwise),
     GemmPath("fp8_blockwise_scaled_mm", _fp8_blockwise_ok, _fp8_blockwise),
+    GemmPath("emulated_bf16", _bf16_exact_ok, _emulated_bf16),
     GemmPath("emulated", lambda a, b, o: True, _emulated),
 ]
 

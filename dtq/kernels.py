@@ -173,8 +173,11 @@ def quantize(x: torch.Tensor, specs: dict[str, KernelSpec], amaxes: dict[str, to
 
 
 def dequantize(spec: KernelSpec, payload: dict[str, torch.Tensor], shape: tuple[int, int],
-               factored: bool = False) -> torch.Tensor | None:
-    """fp32 [M, K] values of one payload, or None where no kernel applies (not CUDA, identity)."""
+               factored: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """[M, K] values of one payload in ``dtype`` (fp32, or bf16: the RNE rounding of the fp32
+    values), or None where no kernel applies (not CUDA, identity, another dtype)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return None
     data = payload["data"]
     if spec.kind not in (FP8_SCALED, MXFP8, NVFP4) or not data.is_cuda or not available(data.device):
         return None
@@ -182,7 +185,7 @@ def dequantize(spec: KernelSpec, payload: dict[str, torch.Tensor], shape: tuple[
     per_tensor = spec.kind == NVFP4 or spec.block == (0, 0)
     scale = None if spec.block == (0, 0) else payload[names[1]]
     tensor = payload[names[-1]].to(device=data.device, dtype=torch.float32) if per_tensor else None
-    out = torch.empty(shape, dtype=torch.float32, device=data.device)
+    out = torch.empty(shape, dtype=dtype, device=data.device)
     cfg = [spec.kind, spec.block[0], spec.block[1], int(spec.e5m2), int(spec.hadamard_signs is not None),
            spec.hadamard_signs or 0, int(factored)]
     extension().dequantize(data.contiguous().view(torch.uint8),

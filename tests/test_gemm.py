@@ -112,3 +112,60 @@ def test_modules_take_native_path_on_gpu():
         with record_paths() as paths, dtq.autocast(dtq.Float8BlockScaling()):
             lin(torch.randn(128, 256, device="cuda", requires_grad=True)).sum().backward()
         assert paths == ["fp8_blockwise_scaled_mm"] * 3
+
+
+@pytest.mark.parametrize("q", ALL, ids=IDS)
+def test_exact_dtype_claims_hold(q):
+    """A format that says its GEMM values fit bf16 exactly must mean it: the bf16 tensor-core path
+    rests on it. Inputs span 2^-40..2^40 so scales of every size occur."""
+    from dtq.formats import codec_for
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(M, K, generator=g) * torch.exp2(torch.randint(-40, 40, (M, 1), generator=g).float())
+    t = q.quantize(x, seed=5)
+    for d in t.directions:
+        sub = q.for_direction(d)
+        codec = codec_for(sub)
+        for rotated in (False, True):
+            if codec.exact_dtype(sub, t.payload(d), d, rotated) != torch.bfloat16:
+                continue
+            read = codec.dequantize_rotated if rotated else codec.dequantize_factored
+            vals, _ = read(sub, t.payload(d), d, t.shape2d)
+            assert torch.equal(vals.to(torch.bfloat16).float(), vals), (d, rotated)
+
+
+def test_shared_rotation_is_skipped_only_where_the_product_allows():
+    q = dtq.NVFP4Quantizer(random_hadamard=True)
+    gq, xq = q.quantize(DY, seed=1), q.quantize(X, seed=2)
+    wgrad = (Operand(gq, "columnwise", transpose=True), Operand(xq, "columnwise"))
+    assert dtq.gemm._shared_rotation(*wgrad)
+    ref = gq.dequantize(torch.float64, direction="columnwise").T @ xq.dequantize(torch.float64, direction="columnwise")
+    assert _rel(mm(*wgrad), ref) < 1e-5  # (T a)^T (T b) = a^T b
+    other = dtq.NVFP4Quantizer(random_hadamard=True, hadamard_seed=7).quantize(X, seed=2)
+    assert not dtq.gemm._shared_rotation(wgrad[0], Operand(other, "columnwise"))  # other signs: undo both
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_tensor_core_emulation_on_gpu():
+    """MXFP8 / NVFP4 (also rotated wgrad) / power-of-two FP8 block operands run as a BF16 GEMM with
+    fp32 accumulation; it computes the fp32 emulation's sum of the same exact products, in
+    another order (relative difference at fp32 rounding level)."""
+    cases = [(dtq.MXFP8Quantizer(), dtq.MXFP8Quantizer()),
+             (dtq.HybridQuantizer(rowwise=dtq.MXFP8Quantizer(), columnwise=dtq.NVFP4Quantizer(random_hadamard=True)),
+              dtq.NVFP4Quantizer((16, 16))),
+             (dtq.Float8BlockQuantizer((1, 128)), dtq.Float8BlockQuantizer((128, 128)))]
+    for qa, qb in cases:
+        xq, wq, gq = qa.quantize(X.cuda(), seed=1), qb.quantize(W.cuda(), seed=2), qa.quantize(DY.cuda(), seed=3)
+        for a, b in [(Operand(xq), Operand(wq, transpose=True)), (Operand(gq), Operand(wq, "columnwise")),
+                     (Operand(gq, "columnwise", transpose=True), Operand(xq, "columnwise"))]:
+            if dtq.gemm._fp8_blockwise_ok(a, b, torch.float32):
+                continue  # Hopper takes the native FP8 path for these
+            with record_paths() as paths:
+                out = mm(a, b, torch.float32)
+            assert paths == ["emulated_bf16"], (qa, qb, paths)
+            assert _rel(out, dtq.gemm._emulated(a, b, torch.float32)) < 1e-5
+            rotated = dtq.gemm._shared_rotation(a, b)
+            for op in (a, b):  # the bf16 operands (kernel-written) are the CPU reference's values
+                cpu = Operand(op.tensor.to("cpu"), op.direction, op.transpose)
+                assert torch.equal(op.values(rotated, torch.bfloat16)[0].cpu(),
+                                   cpu.values(rotated, torch.float32)[0].to(torch.bfloat16))

@@ -87,11 +87,14 @@ class Codec:
         raise NotImplementedError
 
     @classmethod
-    def dequantize_factored(cls, q, payload: Payload, direction: str,
-                            shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def dequantize_factored(cls, q, payload: Payload, direction: str, shape: tuple[int, int],
+                            dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(values, factor)`` with ``values * factor ~= dequantize(...)``: the per-tensor factor is
-        split off so an emulated GEMM applies it after the product, as native scaled GEMMs do."""
-        return cls.dequantize(q, payload, direction, shape), None
+        split off so an emulated GEMM applies it after the product, as native scaled GEMMs do.
+        ``values`` come in ``dtype`` (a kernel writes them directly where it can); GEMMs only read
+        them, and a passthrough format may hand out its stored tensor."""
+        out = cls.kernel_dequantize(q, payload, direction, shape, dtype=dtype)
+        return (out if out is not None else cls.dequantize(q, payload, direction, shape).to(dtype)), None
 
     @classmethod
     def empty(cls, q, shape: tuple[int, int], direction: str, device: torch.device,
@@ -123,6 +126,26 @@ class Codec:
         return None
 
     @classmethod
+    def exact_dtype(cls, q, payload: Payload, direction: str, rotated: bool = False) -> torch.dtype:
+        """The narrowest of bfloat16 / float32 holding the values of ``dequantize_factored`` (or of
+        ``dequantize_rotated`` when ``rotated``) exactly: an emulated GEMM may feed such values to
+        BF16 tensor cores (with fp32 accumulation) without changing a single product."""
+        return torch.float32
+
+    @classmethod
+    def rotation(cls, q, direction: str):
+        """A hashable name of the orthogonal transform ``T`` over rows that the payload holds its
+        values in (NVFP4's random Hadamard), or None. Two operands with the same rotation along
+        their contraction dim have the product of the unrotated ones: ``(T a)^T (T b) = a^T b``."""
+        return None
+
+    @classmethod
+    def dequantize_rotated(cls, q, payload: Payload, direction: str, shape: tuple[int, int],
+                           dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``dequantize_factored`` without undoing ``rotation``."""
+        return cls.dequantize_factored(q, payload, direction, shape, dtype)
+
+    @classmethod
     def lossless(cls, q, dtype: torch.dtype) -> bool:
         """Whether dequantizing gives back a ``dtype`` input exactly (only passthrough formats)."""
         return False
@@ -135,7 +158,7 @@ class Codec:
 
     @classmethod
     def kernel_dequantize(cls, q, payload: Payload, direction: str, shape: tuple[int, int],
-                          factored: bool = False) -> torch.Tensor | None:
+                          factored: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
         """``dequantize`` (or the values of ``dequantize_factored``) by a CUDA kernel, or None when
         the payload is not on a GPU with kernels, or the format has none."""
         data = payload.get("data")
@@ -146,7 +169,7 @@ class Codec:
             return None
         from dtq import kernels
 
-        return kernels.dequantize(spec, payload, shape, factored)
+        return kernels.dequantize(spec, payload, shape, factored, dtype)
 
 
 _REGISTRY: dict[type, type[Codec]] = {}

@@ -56,8 +56,13 @@ class Float8Codec(Codec):
         return payload["data"].to(torch.float32) * payload["scale_inv"]
 
     @classmethod
-    def dequantize_factored(cls, q: Float8Quantizer, payload: Payload, direction: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return payload["data"].to(torch.float32), payload["scale_inv"]
+    def dequantize_factored(cls, q: Float8Quantizer, payload: Payload, direction: str, shape: tuple[int, int],
+                            dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return payload["data"].to(dtype), payload["scale_inv"]
+
+    @classmethod
+    def exact_dtype(cls, q: Float8Quantizer, payload: Payload, direction: str, rotated: bool = False) -> torch.dtype:
+        return torch.bfloat16  # the codes themselves (the scale is the separate factor)
 
     @classmethod
     def empty(cls, q: Float8Quantizer, shape: tuple[int, int], direction: str, device: torch.device, dtype: torch.dtype) -> Payload:

@@ -67,6 +67,11 @@ class Float8BlockCodec(Codec):
                                   e5m2=q.dtype == torch.float8_e5m2, pow2=q.pow2_scales)
 
     @classmethod
+    def exact_dtype(cls, q: Float8BlockQuantizer, payload: Payload, direction: str, rotated: bool = False) -> torch.dtype:
+        # code * 2^k keeps the code's 4 significant bits; a general scale_inv does not fit bf16
+        return torch.bfloat16 if q.pow2_scales else torch.float32
+
+    @classmethod
     def dequantize(cls, q: Float8BlockQuantizer, payload: Payload, direction: str, shape: tuple[int, int]) -> torch.Tensor:
         if (out := cls.kernel_dequantize(q, payload, direction, shape)) is not None:
             return out

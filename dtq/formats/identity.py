@@ -60,5 +60,14 @@ class IdentityCodec(Codec):
         return True
 
     @classmethod
+    def dequantize_factored(cls, q: IdentityQuantizer, payload: Payload, direction: str, shape: tuple[int, int],
+                            dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return payload["data"].to(dtype), None  # read-only use: no copy when the dtype matches
+
+    @classmethod
+    def exact_dtype(cls, q: IdentityQuantizer, payload: Payload, direction: str, rotated: bool = False) -> torch.dtype:
+        return torch.bfloat16 if payload["data"].dtype == torch.bfloat16 else torch.float32
+
+    @classmethod
     def lossless(cls, q: IdentityQuantizer, dtype: torch.dtype) -> bool:
         return q.dtype is None or q.dtype == dtype

@@ -103,6 +103,10 @@ class MXFP8Codec(Codec):
                                   e5m2=q.dtype == torch.float8_e5m2, floor=q.scale_rounding == "floor")
 
     @classmethod
+    def exact_dtype(cls, q: MXFP8Quantizer, payload: Payload, direction: str, rotated: bool = False) -> torch.dtype:
+        return torch.bfloat16  # code * 2^e: the code's significant bits, a power-of-two scale
+
+    @classmethod
     def dequantize(cls, q: MXFP8Quantizer, payload: Payload, direction: str, shape: tuple[int, int]) -> torch.Tensor:
         if (out := cls.kernel_dequantize(q, payload, direction, shape)) is not None:
             return out

@@ -149,12 +149,34 @@ class NVFP4Codec(Codec):
         return _bits.hadamard_rows(out, q.hadamard_seed, inverse=True) if q.hadamard(direction) else out
 
     @classmethod
-    def dequantize_factored(cls, q: NVFP4Quantizer, payload: Payload, direction: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        vals = cls.kernel_dequantize(q, payload, direction, shape, factored=True)
+    def dequantize_factored(cls, q: NVFP4Quantizer, payload: Payload, direction: str, shape: tuple[int, int],
+                            dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
+        vals = cls.kernel_dequantize(q, payload, direction, shape, factored=True, dtype=dtype)
         if vals is None:
             vals = cls._block_values(q, payload, direction, shape)
             if q.hadamard(direction):
                 vals = _bits.hadamard_rows(vals, q.hadamard_seed, inverse=True)
+            vals = vals.to(dtype)
+        return vals, torch.reciprocal(global_scale(payload["amax"]))
+
+    @classmethod
+    def exact_dtype(cls, q: NVFP4Quantizer, payload: Payload, direction: str, rotated: bool = False) -> torch.dtype:
+        # e2m1 (2 significant bits) * e4m3 (4): exact in bf16; the inverse Hadamard is not
+        return torch.bfloat16 if rotated or not q.hadamard(direction) else torch.float32
+
+    @classmethod
+    def rotation(cls, q: NVFP4Quantizer, direction: str):
+        return ("hadamard16", q.hadamard_seed) if q.hadamard(direction) else None
+
+    @classmethod
+    def dequantize_rotated(cls, q: NVFP4Quantizer, payload: Payload, direction: str, shape: tuple[int, int],
+                           dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not q.hadamard(direction):
+            return cls.dequantize_factored(q, payload, direction, shape, dtype)
+        plain = dataclasses.replace(q, random_hadamard=False)  # the same codes, read without T^T
+        vals = cls.kernel_dequantize(plain, payload, direction, shape, factored=True, dtype=dtype)
+        if vals is None:
+            vals = cls._block_values(q, payload, direction, shape).to(dtype)
         return vals, torch.reciprocal(global_scale(payload["amax"]))
 
     @staticmethod
