@@ -166,7 +166,8 @@ def main() -> None:
         for r in results:
             print(f"  {r['mode']:32s} step {r['step_vs_first']:.2f}x  all-gather bytes {r['all_gather_vs_first']:.2f}x")
         if args.out:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
+            commit = os.environ.get("DTQ_COMMIT") or subprocess.run(  # the device's copy may carry a stale .git
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
             meta = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "torch": torch.__version__,
                     "device": torch.cuda.get_device_name(), "world": world, **vars(args)}
             with open(args.out, "w") as f:

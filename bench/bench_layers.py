@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -171,7 +172,8 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     if args.out:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
+        commit = os.environ.get("DTQ_COMMIT") or subprocess.run(  # the device's copy may carry a stale .git
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
         meta = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "torch": torch.__version__,
                 "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
                 "tokens": args.tokens, "hidden": args.hidden, "ffn": args.ffn, "iters": args.iters}

@@ -164,7 +164,8 @@ class LinearFn(torch.autograd.Function):
             wq = wl
         else:
             wq = sw.quantize(wl, rowwise=True, columnwise=bwd_cols and need_dgrad, replay=replay)
-        y = mm(Operand(xq, ROWWISE), Operand(wq, ROWWISE, transpose=True), torch.float32)
+        # GEMMs write the output dtype directly (no extra cast pass); with a bias, fp32 first.
+        y = mm(Operand(xq, ROWWISE), Operand(wq, ROWWISE, transpose=True), torch.float32 if bias is not None else x.dtype)
         if bias is not None:
             y = y + _local_weight(bias).to(torch.float32)
         if override is None:
@@ -206,10 +207,9 @@ class LinearFn(torch.autograd.Function):
                     raise RuntimeError(f"dtq: {ctx.name}: the weight has no columnwise payload for dgrad (it holds "
                                        f"{list(saved_w.directions)}). Quantize the weight with both directions, or "
                                        "train it under a recipe with backward_override")
-                dx = mm(Operand(gq, ROWWISE), Operand(saved_w, COLUMNWISE), torch.float32).to(ctx.x_dtype)
+                dx = mm(Operand(gq, ROWWISE), Operand(saved_w, COLUMNWISE), ctx.x_dtype)
             if need_wgrad:
-                dw = mm(Operand(gq, COLUMNWISE, transpose=True), Operand(saved_x, COLUMNWISE), torch.float32)
-                dw = dw.to(ctx.w_dtype)
+                dw = mm(Operand(gq, COLUMNWISE, transpose=True), Operand(saved_x, COLUMNWISE), ctx.w_dtype)
         else:
             if scatter is not None:
                 dy2 = tp.gather_rows(dy2, scatter, reason=_HP_OVERRIDE)  # the overrides use the high-precision gradient
