@@ -9,7 +9,10 @@
    GB/s = (input bytes + payload bytes written) / time: the useful traffic. Formats that need a
    tensor-wide amax (FP8 per-tensor, NVFP4) read the input twice (amax pass, then the fused pass),
    so their ceiling on this metric is below 1.0 of copy: the table prints it as ``ideal``.
-3. The reference path (``DTQ_DISABLE_KERNELS=1``, eager) at one size, for contrast.
+3. The reference path (``DTQ_DISABLE_KERNELS=1``, eager) at one size, for contrast; with
+   ``--generic``, also the generic fused kernel (``DTQ_GENERIC_QUANTIZE=1``) at every size.
+4. The tensor-wide amax pass alone (max|x|, and max|T x| for the random Hadamard): input bytes
+   over time, against the copy ceiling (a pure read).
 Prints a table and writes JSON (device, torch, copy ceiling, every row) to ``--out``.
 """
 
@@ -111,6 +114,25 @@ def bench_one(q, x, dirs: str, iters: int, seed: torch.Tensor) -> dict:
             "gbps": (in_bytes + out_bytes) / ms / 1e6, "ideal_fraction": ideal}
 
 
+def bench_amax(x, iters: int) -> list[dict]:
+    rows = []
+    for name, want_x, signs in (("amax x", True, None), ("amax Tx", False, 0x5A5A)):
+        buf = torch.zeros(2, dtype=torch.int32, device=x.device)
+        ext = kernels.extension()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(s):
+            ext.amax(x, buf, want_x, -1 if signs is None else signs)
+            with torch.cuda.graph(g, stream=s):  # the kernel alone (the caller's zero-fill is not in it)
+                ext.amax(x, buf, want_x, -1 if signs is None else signs)
+        torch.cuda.current_stream().wait_stream(s)
+        ms = _time_ms(g.replay, iters)
+        rows.append({"format": name, "dirs": "-", "ms": ms, "in_bytes": x.numel() * x.element_size(), "out_bytes": 0,
+                     "amax_pass": False, "gbps": x.numel() * x.element_size() / ms / 1e6, "ideal_fraction": 1.0})
+    return rows
+
+
 def bench_reference(q, x, dirs: str, seed: torch.Tensor) -> float:
     os.environ["DTQ_DISABLE_KERNELS"] = "1"
     try:
@@ -127,6 +149,7 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--reference-size", type=int, default=64, help="MiB; 0 skips the reference timings")
     p.add_argument("--only", default="", help="substring filter on config names")
+    p.add_argument("--generic", action="store_true", help="also time the generic fused kernel")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -145,6 +168,12 @@ def main() -> int:
     for size in args.sizes:
         m = size * (1 << 20) // 2 // K
         x = (torch.randn(m, K, device="cuda") * 3).bfloat16()
+        y = torch.empty_like(x)
+        ms = _time_ms(lambda: y.copy_(x), args.iters)
+        rows.append({"format": "copy (torch)", "dirs": "-", "ms": ms, "in_bytes": x.numel() * 2, "out_bytes": x.numel() * 2,
+                     "amax_pass": False, "gbps": 4 * x.numel() / ms / 1e6, "ideal_fraction": 1.0, "size_mib": size,
+                     "shape": [m, K], "fraction": 4 * x.numel() / ms / 1e6 / ceiling})
+        del y
         for name, q, dirsets in CONFIGS:
             if args.only and args.only not in name:
                 continue
@@ -153,18 +182,31 @@ def main() -> int:
                 r.update(format=name, dirs=dirs, size_mib=size, shape=[m, K], fraction=r["gbps"] / ceiling)
                 if size == args.reference_size:
                     r["reference_ms"] = bench_reference(q, x, dirs, seed)
+                if args.generic:
+                    os.environ["DTQ_GENERIC_QUANTIZE"] = "1"
+                    try:
+                        r["generic_ms"] = bench_one(q, x, dirs, args.iters, seed)["ms"]
+                    finally:
+                        del os.environ["DTQ_GENERIC_QUANTIZE"]
                 rows.append(r)
                 torch.cuda.empty_cache()
+        if not args.only or "amax" in args.only:
+            for r in bench_amax(x, args.iters):
+                r.update(size_mib=size, shape=[m, K], fraction=r["gbps"] / ceiling)
+                rows.append(r)
         del x
         torch.cuda.empty_cache()
-    hdr = f"{'format':30s} {'dirs':4s} {'MiB':>5s} {'us':>9s} {'GB/s':>7s} {'of copy':>7s} {'ideal':>6s} {'ref us':>9s} {'speedup':>7s}"
+    hdr = (f"{'format':30s} {'dirs':4s} {'MiB':>5s} {'us':>9s} {'GB/s':>7s} {'of copy':>7s} {'ideal':>6s} {'of ideal':>8s} "
+           f"{'generic us':>10s} {'ref us':>9s} {'speedup':>7s}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         ref = r.get("reference_ms")
         ref_s = f"{ref * 1e3:9.0f} {ref / r['ms']:7.1f}" if ref else ""
+        gen = r.get("generic_ms")
+        gen_s = f"{gen * 1e3:10.1f}" if gen else f"{'':10s}"
         print(f"{r['format']:30s} {r['dirs']:4s} {r['size_mib']:5d} {r['ms'] * 1e3:9.1f} {r['gbps']:7.0f} "
-              f"{r['fraction']:7.2f} {r['ideal_fraction']:6.2f} {ref_s}")
+              f"{r['fraction']:7.2f} {r['ideal_fraction']:6.2f} {r['fraction'] / r['ideal_fraction']:8.2f} {gen_s} {ref_s}")
     Path(args.out).write_text(json.dumps({"device": dev, "torch": torch.__version__, "copy_gbps": ceiling,
                                           "input_dtype": "bfloat16", "k": K, "rows": rows}, indent=1))
     return 0

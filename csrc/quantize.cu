@@ -19,9 +19,18 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <cstdlib>
+
 #include "common.cuh"
 
 namespace dtq {
+namespace fast {
+// Specialised kernels for the slot pairs dtq's formats produce (quantize_tile.cuh, instantiated
+// in quantize_fast_*.cu); false: no kernel for this pair, the generic one below runs.
+template <typename T>
+bool launch(const at::Tensor& x, const SlotCfg& a, const SlotCfg& b);
+}  // namespace fast
+
 namespace {
 
 constexpr int kTile = 128;
@@ -460,6 +469,12 @@ SlotCfg make_cfg(const std::vector<int64_t>& c, const std::vector<at::Tensor>& o
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
+// DTQ_GENERIC_QUANTIZE=1 forces the generic kernel (tests and benchmarks compare the two).
+bool fast_enabled() {
+  const char* e = std::getenv("DTQ_GENERIC_QUANTIZE");
+  return !(e && e[0] && e[0] != '0');
+}
+
 template <typename T>
 void launch(const at::Tensor& x, const SlotCfg& a, const SlotCfg& b, int vec_ok) {
   const int64_t M = x.size(0), K = x.size(1);
@@ -494,6 +509,16 @@ void quantize_fused(const at::Tensor& x, const std::vector<int64_t>& cfg_a, cons
                 "dtq kernels: the Hadamard transform is for columnwise NVFP4");
   }
   TORCH_CHECK(!(a.br > 1 && a.bc == 1 && b.br > 1 && b.bc == 1), "dtq kernels: at most one slot may be columnwise");
+  if (vec_ok && fast_enabled()) {
+    bool done = false;
+    switch (x.scalar_type()) {
+      case at::kFloat: done = fast::launch<float>(x, a, b); break;
+      case at::kBFloat16: done = fast::launch<__nv_bfloat16>(x, a, b); break;
+      case at::kHalf: done = fast::launch<__half>(x, a, b); break;
+      default: break;
+    }
+    if (done) return;
+  }
   switch (x.scalar_type()) {
     case at::kFloat: launch<float>(x, a, b, vec_ok); break;
     case at::kBFloat16: launch<__nv_bfloat16>(x, a, b, vec_ok); break;

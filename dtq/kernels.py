@@ -29,7 +29,8 @@ _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 INPUT_DTYPES = tuple(_DTYPE_CODE)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = ("bindings.cpp", "quantize.cu", "amax.cu", "dequantize.cu")
+SOURCES = ("bindings.cpp", "quantize.cu", "quantize_fast_bf16.cu", "quantize_fast_f16.cu", "quantize_fast_f32.cu", "amax.cu",
+           "dequantize.cu")
 # fp32 arithmetic must stay exactly the references': no FMA contraction, no fast math.
 CUDA_FLAGS = ("-O3", "-fmad=false", "-gencode=arch=compute_90,code=[sm_90,compute_90]", "-std=c++17")
 

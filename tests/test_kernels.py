@@ -241,3 +241,37 @@ def test_kernel_specs_describe_reference_payloads():
             assert spec is not None, name
             assert [(n, tuple(s), dt) for n, s, dt in spec.fields] == \
                 [(k, tuple(v.shape), v.dtype) for k, v in t.payload(d).items()], (name, d)
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ["fp8", "fp8b_1x128/fp8b_128x128", "mxfp8/nvfp4_rht_sr", "nvfp4/identity_bf16",
+                                  "identity_fp32", "mxfp8/nvfp4_16x16"])
+def test_generic_kernel_bits_match_reference(name, monkeypatch):
+    """The generic fused kernel (the fall-back for slot pairs without a specialised kernel, and for
+    unaligned inputs) on aligned shapes, which otherwise take the specialised kernels."""
+    monkeypatch.setenv("DTQ_GENERIC_QUANTIZE", "1")
+    q = ALL[name]
+    gen = torch.Generator().manual_seed(7)
+    for shape in ((256, 384), (288, 416)):
+        for dtype in DTYPES:
+            for iname, x in _inputs(shape, dtype, gen).items():
+                for dirs in DIRSETS:
+                    if not _valid(q, shape, dirs):
+                        continue
+                    kw = dict(rowwise=dirs[0], columnwise=dirs[1], seed=SEED)
+                    _compare(q.quantize(x.cuda(), **kw), q.quantize(x, **kw), f"generic {name} {shape} {dtype} {iname} {dirs}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ["fp8b_1x128", "mxfp8", "nvfp4_rht_sr", "fp8b_1x128/fp8b_128x128", "mxfp8/nvfp4_16x16"])
+def test_specialised_kernels_partial_tiles(name):
+    """Specialised kernels on shapes with partial 128 x 128 tiles in both dimensions and several tiles."""
+    q = ALL[name]
+    gen = torch.Generator().manual_seed(11)
+    for shape in ((416, 272), (160, 1040)):
+        x = (torch.randn(*shape, generator=gen) * 5).bfloat16()
+        x[7, 3] = float("nan")
+        for dirs in DIRSETS:
+            if _valid(q, shape, dirs):
+                kw = dict(rowwise=dirs[0], columnwise=dirs[1], seed=SEED)
+                _compare(q.quantize(x.cuda(), **kw), q.quantize(x, **kw), f"{name} {shape} {dirs}")

@@ -1,0 +1,515 @@
+// Fast fused quantization for the slot pairs dtq's formats produce (register tiles, no staging).
+//
+// One CTA of 256 threads owns a 128 x 128 input tile and holds it in registers: thread (warp w,
+// lane l) loads 8 consecutive columns (cv = l % 16) of 8 consecutive rows (16 w + 8 (l / 16) ...),
+// as 16-byte vectors issued all at once (8 independent loads in flight per thread, 32 KB per CTA
+// for 16-bit inputs). Warp w thus holds the 16-row group w, split between its two half-warps.
+//   * row blocks (1 x 16/32/128): in-thread max over 8 columns, then a reduce-scatter over the
+//     2/4/16 lanes of a block (each lane derives 4/2/1 row scales) and an all-gather of multipliers;
+//   * 16-row column groups: in-thread max over 8 rows, then one xor-16 shuffle; taller groups
+//     (32, 128 rows) combine the warps' 16-row maxima through 4 KB of shared memory (one barrier);
+//   * 2-D blocks (16 x 16, 128 x 128): the column-group maxima, then shuffles across lanes;
+//   * the 16-point random Hadamard (columnwise NVFP4): three butterfly stages in-thread, the
+//     fourth (rows i, i + 8) across the two half-warps by one shuffle per element.
+// Codes: FP8 through the packed cvt.rn.satfinite.{e4m3,e5m2}x2.f32 (two values per instruction)
+// with a branch-free byte fix-up that turns the hardware's NaN codes into the reference's 0x7F;
+// 8-byte (FP8) / 4-byte (FP4) / 16-byte (identity) stores, 128 contiguous bytes per half-warp row.
+// Each slot type is a compile-time parameter, so a launch carries only its own code. The slot
+// pairs are enumerated in DTQ_FAST_PAIRS; anything else takes the generic kernel in quantize.cu.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "common.cuh"
+
+namespace dtq {
+namespace fast {
+
+constexpr int kThreads = 256;
+constexpr int kTile = 128;
+
+// Compile-time slot type: payload kind, block shape (0, 0: one scale per tensor), Hadamard.
+template <int KIND, int BR, int BC, bool HAD = false>
+struct Slot {
+  static constexpr int kind = KIND, br = BR, bc = BC;
+  static constexpr bool had = HAD;
+  static constexpr bool none = KIND == kNone;
+  static constexpr bool ident = KIND == kIdentity;
+  static constexpr bool tensor = KIND == kFp8Scaled && BR == 0;
+  static constexpr bool row = BR == 1;                    // 1 x BC blocks
+  static constexpr bool col = BR > 1 && BC == 1 && !HAD;  // BR x 1 blocks
+  static constexpr bool blk = BR > 1 && BC > 1;           // BR x BC blocks
+  static constexpr bool fp4 = KIND == kNVFP4;
+  static constexpr bool colmax = col || blk;  // needs the per-column maxima
+  static constexpr bool tall = colmax && BR > 16;  // needs the shared-memory combine
+  static bool match(const SlotCfg& s) {
+    return s.kind == KIND && (KIND == kNone || (s.br == BR && s.bc == BC && bool(s.hadamard) == HAD));
+  }
+};
+
+using None = Slot<kNone, 0, 0>;
+using Fp8T = Slot<kFp8Scaled, 0, 0>;
+using Fp8R = Slot<kFp8Scaled, 1, 128>;
+using Fp8C = Slot<kFp8Scaled, 128, 1>;
+using Fp8B = Slot<kFp8Scaled, 128, 128>;
+using MxR = Slot<kMXFP8, 1, 32>;
+using MxC = Slot<kMXFP8, 32, 1>;
+using NvR = Slot<kNVFP4, 1, 16>;
+using NvC = Slot<kNVFP4, 16, 1>;
+using NvB = Slot<kNVFP4, 16, 16>;
+using NvH = Slot<kNVFP4, 16, 1, true>;
+using Id = Slot<kIdentity, 0, 0>;
+
+// (rowwise-or-only slot, second slot): the pairs dtq's formats and hybrids produce.
+#define DTQ_FAST_PAIRS(X)                                                                               \
+  X(Fp8T, None) X(Fp8R, None) X(Fp8C, None) X(Fp8B, None) X(MxR, None) X(MxC, None) X(NvR, None)       \
+  X(NvC, None) X(NvB, None) X(NvH, None) X(Id, None)                                                    \
+  X(Fp8R, Fp8C) X(MxR, MxC) X(NvR, NvC) X(NvR, NvH)                                                     \
+  X(MxR, NvH) X(Fp8R, Fp8B) X(MxR, NvB) X(Fp8T, MxC) X(Fp8R, NvB) X(Id, NvC) X(NvR, Id) X(Fp8B, Id)     \
+  X(NvR, MxC) X(MxR, Fp8C)
+
+// ------------------------------------------------------------------------------------------
+// Element access of one thread's 8 x 8 sub-tile, kept as the raw 16-byte vectors.
+template <typename T>
+struct Regs {
+  static constexpr int kV = sizeof(T) == 4 ? 2 : 1;  // 16-byte vectors per 8-column row
+  uint4 v[8][kV];
+  __device__ __forceinline__ uint32_t word(int i, int w) const {
+    const uint4& q = v[i][w / 4];
+    const int k = w % 4;
+    return k == 0 ? q.x : (k == 1 ? q.y : (k == 2 ? q.z : q.w));
+  }
+  __device__ __forceinline__ uint32_t raw(int i, int j) const {  // element bits (16-bit: in the low half)
+    if constexpr (sizeof(T) == 4) return word(i, j);
+    else return (j & 1) ? (word(i, j / 2) >> 16) : (word(i, j / 2) & 0xFFFFu);
+  }
+  __device__ __forceinline__ float f(int i, int j) const {
+    if constexpr (sizeof(T) == 4) return u2f(word(i, j));
+    else if constexpr (std::is_same<T, __nv_bfloat16>::value)
+      return u2f((j & 1) ? (word(i, j / 2) & 0xFFFF0000u) : (word(i, j / 2) << 16));
+    else return __half2float(__ushort_as_half(static_cast<unsigned short>(raw(i, j))));
+  }
+};
+
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+// Two fp32 -> two FP8 codes (lo in the low byte), saturating RNE; NaN codes fixed up later.
+__device__ __forceinline__ uint32_t cvt2(float lo, float hi, bool e5m2) {
+  unsigned short r;
+  if (e5m2) asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  else asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+// _bits.cast_fp8 maps NaN to 0x7F. Under satfinite the hardware gives a NaN code for NaN only
+// (e4m3: low 7 bits 0x7F; e5m2: low 7 bits 0x7D..0x7F) and saturates everything else, so the
+// bytes whose low 7 bits reach that range are exactly the NaN inputs: set them to 0x7F.
+__device__ __forceinline__ uint32_t fp8_fix_nan(uint32_t c, bool e5m2) {
+  const uint32_t m = c & 0x7F7F7F7Fu;
+  const uint32_t t = (m + (e5m2 ? 0x03030303u : 0x01010101u)) & 0x80808080u;  // no carries between bytes
+  const uint32_t mask = (t >> 7) * 0xFFu;
+  return (c & ~mask) | (mask & 0x7F7F7F7Fu);
+}
+
+// _bits.e2m1_encode (same function as common.cuh's e2m1_rne), branch-free.
+__device__ __forceinline__ uint32_t e2m1_rne_bf(float x) {
+  const uint32_t b = abs_bits(x);
+  const uint32_t lo = __float2uint_rn(__fmul_rn(u2f(b), 2.f));        // |x| < 1: rint(2|x|)
+  uint32_t hi = ((b + 0x1FFFFFu + ((b >> 22) & 1u)) >> 22) - 252u;    // |x| >= 1 (NaN: > 7)
+  hi = hi > 7u ? 7u : hi;
+  const uint32_t m = b < 0x3F800000u ? lo : hi;
+  const uint32_t s = b > 0x7F800000u ? 0u : ((f2u(x) >> 28) & 8u);    // NaN -> +6
+  return m | s;
+}
+
+// _bits.e2m1_encode_stochastic (common.cuh's e2m1_sr) without the division: the grid spacing
+// ghi - glo is 0.5, 1 or 2, so (v - glo) / spacing is the exact product with 2, 1 or 0.5 (v - glo
+// is a multiple of ulp(v) >= 2**-149 * 2 when it is halved, so no rounding happens either way).
+__device__ __forceinline__ uint32_t e2m1_sr_fast(float x, uint32_t r) {
+  if (is_nan(x)) return 7;
+  float v = fabsf(x);
+  if (v > 6.f) v = 6.f;
+  uint32_t lo = (v >= 0.5f) + (v >= 1.f) + (v >= 1.5f) + (v >= 2.f) + (v >= 3.f) + (v >= 4.f) + (v >= 6.f);
+  const float glo = e2m1_magnitude(lo);
+  const float inv = lo < 4 ? 2.f : (lo < 6 ? 1.f : 0.5f);
+  const float frac = lo == 7 ? 0.f : __fmul_rn(__fsub_rn(v, glo), inv);
+  const float u = __fmul_rn(float(r >> 8), 5.9604644775390625e-08f);
+  const uint32_t m = u < frac ? lo + 1 : lo;
+  return m | ((f2u(x) >> 28) & 8);
+}
+
+// Scale and multiplier of one block from its amax (bits: the stored scale).
+template <int KIND>
+__device__ __forceinline__ float block_params(const SlotCfg& s, float bam, float s_enc, uint32_t& bits) {
+  if constexpr (KIND == kFp8Scaled) {
+    const float sc = scale_from_amax(bam, s.fmax, s.pow2);
+    bits = f2u(__frcp_rn(sc));
+    return sc;
+  } else if constexpr (KIND == kMXFP8) {
+    const uint32_t b = e8m0_biased(bam, s.fmax, s.e5m2, s.floor_mode);
+    bits = b;
+    return e8m0_inv(b);
+  } else {
+    const uint8_t sb = nvfp4_block_scale(bam, s_enc);
+    bits = sb;
+    return nvfp4_factor(sb, s_enc);
+  }
+}
+
+__device__ __forceinline__ uint32_t fp4_code(float v, float mult, bool sr, uint32_t key, int64_t idx) {
+  const float y = __fmul_rn(v, mult);
+  const uint32_t c = sr ? e2m1_sr_fast(y, rand_at(key, uint64_t(idx))) : e2m1_rne_bf(y);
+  return mult == 0.f ? 0u : c;  // s_b == 0: the whole block is code 0
+}
+
+__device__ __forceinline__ uint32_t identity_bits(float v, int od) {
+  if (od == kF32) return is_nan(v) ? kCanonicalNaN : f2u(v);
+  if (od == kBF16) return is_nan(v) ? 0x7FC0u : uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(v)));
+  return is_nan(v) ? 0x7E00u : uint32_t(__half_as_ushort(__float2half_rn(v)));
+}
+
+// One slot's codes for row i of the thread's sub-tile (8 columns at element offset off).
+template <class S, typename T, typename MultFn>
+__device__ __forceinline__ void store_row(const SlotCfg& s, const Regs<T>& d, int i, MultFn mult, int64_t off,
+                                          uint32_t key) {
+  if constexpr (S::kind == kFp8Scaled || S::kind == kMXFP8) {
+    const bool e5 = s.e5m2;
+    uint32_t w[2];
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const uint32_t a = cvt2(__fmul_rn(d.f(i, 4 * q), mult(4 * q)), __fmul_rn(d.f(i, 4 * q + 1), mult(4 * q + 1)), e5);
+      const uint32_t b = cvt2(__fmul_rn(d.f(i, 4 * q + 2), mult(4 * q + 2)), __fmul_rn(d.f(i, 4 * q + 3), mult(4 * q + 3)), e5);
+      w[q] = fp8_fix_nan(a | (b << 16), e5);
+    }
+    *reinterpret_cast<uint2*>(reinterpret_cast<uint8_t*>(s.data) + off) = make_uint2(w[0], w[1]);
+  } else if constexpr (S::kind == kNVFP4) {
+    uint32_t w = 0;
+    const bool sr = s.sr;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) w |= fp4_code(d.f(i, j), mult(j), sr, key, off + j) << (4 * j);
+    *reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(s.data) + off / 2) = w;
+  } else if constexpr (S::kind == kIdentity) {
+    const int od = s.out_dtype;
+    constexpr int in_code = sizeof(T) == 4 ? kF32 : (std::is_same<T, __nv_bfloat16>::value ? kBF16 : kF16);
+    if (od == in_code) {  // same dtype: the input bits
+      if constexpr (sizeof(T) == 4) {
+        uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<uint32_t*>(s.data) + off);
+        dst[0] = d.v[i][0];
+        dst[1] = d.v[i][1];
+      } else {
+        *reinterpret_cast<uint4*>(reinterpret_cast<uint16_t*>(s.data) + off) = d.v[i][0];
+      }
+    } else if (od == kF32) {
+      uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<uint32_t*>(s.data) + off);
+      dst[0] = make_uint4(identity_bits(d.f(i, 0), od), identity_bits(d.f(i, 1), od), identity_bits(d.f(i, 2), od),
+                          identity_bits(d.f(i, 3), od));
+      dst[1] = make_uint4(identity_bits(d.f(i, 4), od), identity_bits(d.f(i, 5), od), identity_bits(d.f(i, 6), od),
+                          identity_bits(d.f(i, 7), od));
+    } else {
+      uint32_t w[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) w[q] = identity_bits(d.f(i, 2 * q), od) | (identity_bits(d.f(i, 2 * q + 1), od) << 16);
+      *reinterpret_cast<uint4*>(reinterpret_cast<uint16_t*>(s.data) + off) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+}
+
+// Eight per-column scales (8 consecutive entries at idx) of one slot.
+template <int KIND>
+__device__ __forceinline__ void store_scales8(const SlotCfg& s, int64_t idx, const uint32_t (&b)[8]) {
+  if constexpr (KIND == kFp8Scaled) {
+    uint4* p = reinterpret_cast<uint4*>(reinterpret_cast<uint32_t*>(s.scale) + idx);
+    p[0] = make_uint4(b[0], b[1], b[2], b[3]);
+    p[1] = make_uint4(b[4], b[5], b[6], b[7]);
+  } else {
+    *reinterpret_cast<uint2*>(reinterpret_cast<uint8_t*>(s.scale) + idx) =
+        make_uint2(b[0] | (b[1] << 8) | (b[2] << 16) | (b[3] << 24), b[4] | (b[5] << 8) | (b[6] << 16) | (b[7] << 24));
+  }
+}
+template <int KIND>
+__device__ __forceinline__ void store_scale1(const SlotCfg& s, int64_t idx, uint32_t b) {
+  if constexpr (KIND == kFp8Scaled) reinterpret_cast<uint32_t*>(s.scale)[idx] = b;
+  else reinterpret_cast<uint8_t*>(s.scale)[idx] = uint8_t(b);
+}
+
+// Per-launch constants of one slot: NVFP4 S_enc, per-tensor multiplier, SR key.
+struct SlotConst {
+  float s_enc = 1.f, tmult = 1.f;
+  uint32_t key = 0;
+};
+template <class S>
+__device__ __forceinline__ SlotConst slot_const(const SlotCfg& s) {
+  SlotConst c;
+  if constexpr (S::fp4) {
+    const float am = *s.amax_in;
+    c.s_enc = nvfp4_senc(am);
+    if (s.sr) c.key = rng_key(s.seed, s.stream);
+    if (blockIdx.x == 0 && threadIdx.x == 0) *s.tensor_out = is_nan(am) ? u2f(kCanonicalNaN) : am;
+  } else if constexpr (S::tensor) {
+    c.tmult = scale_from_amax(*s.amax_in, s.fmax, s.pow2);
+    if (blockIdx.x == 0 && threadIdx.x == 0) *s.tensor_out = __frcp_rn(c.tmult);
+  }
+  return c;
+}
+
+// Everything of one slot for the thread's 8 x 8 sub-tile.
+template <class S, typename T>
+__device__ __forceinline__ void do_slot(const SlotCfg& s, const SlotConst& c, const Regs<T>& d,
+                                        const uint32_t (&ra)[8], const uint32_t (&ca)[8],
+                                        const uint4 (*red)[32], int64_t M, int64_t K, int64_t row0, int64_t col,
+                                        int w, int h, int cv) {
+  if constexpr (S::none) {
+    return;
+  } else {
+    const bool cok = col < K;
+    if constexpr (S::row) {
+      // Reduce-scatter the 8 row maxima over the L lanes of a row block (halving the live values
+      // per shuffle stage), so each lane derives the scale of 8 / L rows (1 for L >= 8) instead
+      // of all 8; then all-gather the multipliers back.
+      constexpr int L = S::bc / 8;
+      const int64_t ld = (K + S::bc - 1) / S::bc;
+      const int lane = threadIdx.x & 31;
+      uint32_t v[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] = ra[k];
+      int rbase = 0;  // first row held after the halving stages
+#pragma unroll
+      for (int o = L / 2, n = 8; o >= 1; o >>= 1) {
+        if (n > 1) {
+          const int half = n / 2;
+          const bool b = lane & o;
+#pragma unroll
+          for (int k = 0; k < half; ++k) {
+            const uint32_t send = b ? v[k] : v[k + half], keep = b ? v[k + half] : v[k];
+            v[k] = umax(keep, __shfl_xor_sync(0xFFFFFFFFu, send, o));
+          }
+          rbase += b ? half : 0;
+          n = half;
+        } else {
+          v[0] = umax(v[0], __shfl_xor_sync(0xFFFFFFFFu, v[0], o));
+        }
+      }
+      constexpr int held = L >= 8 ? 1 : 8 / L;
+      constexpr int dup = L >= 8 ? L / 8 : 1;  // lanes holding the same rows (their low lane bits differ)
+      // The lane holding a row's scale may lie past K in a partial block: test the block's start.
+      const bool bok = col - col % S::bc < K;
+      float m[8];
+#pragma unroll
+      for (int k = 0; k < held; ++k) {
+        uint32_t bits;
+        m[k] = block_params<S::kind>(s, u2f(v[k]), c.s_enc, bits);
+        const int64_t r = row0 + rbase + k;
+        if (r < M && bok && (lane & (dup - 1)) == 0) store_scale1<S::kind>(s, r * ld + col / S::bc, bits);
+      }
+      // All-gather: undo the halving stages, smallest lane bit first.
+#pragma unroll
+      for (int n = held; n < 8; n *= 2) {
+        const int o = L * n / 8;  // the lane bit of the stage that went from 2n to n values
+        const bool b = lane & o;
+#pragma unroll
+        for (int k = 0; k < n; ++k) {
+          const float other = __shfl_xor_sync(0xFFFFFFFFu, m[k], o);
+          m[k + n] = b ? m[k] : other;
+          m[k] = b ? other : m[k];
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int64_t r = row0 + i;
+        if (r < M && cok) store_row<S>(s, d, i, [&](int) { return m[i]; }, r * K + col, c.key);
+      }
+    } else if constexpr (S::col || S::blk) {
+      uint32_t am[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) am[j] = ca[j];  // 16-row group maxima (xor-16 already applied)
+      if constexpr (S::tall) {
+        constexpr int gw = S::br / 16;  // warps per block row
+        const int w0 = w & ~(gw - 1);
+#pragma unroll
+        for (int g = 0; g < gw; ++g) {
+          const uint4 a = red[w0 + g][2 * cv], b = red[w0 + g][2 * cv + 1];
+          am[0] = umax(am[0], a.x); am[1] = umax(am[1], a.y); am[2] = umax(am[2], a.z); am[3] = umax(am[3], a.w);
+          am[4] = umax(am[4], b.x); am[5] = umax(am[5], b.y); am[6] = umax(am[6], b.z); am[7] = umax(am[7], b.w);
+        }
+      }
+      const bool first = h == 0 && (w % (S::br / 16)) == 0 && row0 < M && cok;  // writes the scales
+      if constexpr (S::col) {
+        // Half-warp h derives the scales of columns 4h..4h+3 and swaps multipliers with the other.
+        float mult[8];
+        uint32_t bits[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const float mine = block_params<S::kind>(s, u2f(h ? am[k + 4] : am[k]), c.s_enc, bits[k]);
+          const float other = __shfl_xor_sync(0xFFFFFFFFu, mine, 16);
+          mult[k] = h ? other : mine;
+          mult[k + 4] = h ? mine : other;
+        }
+        const int64_t rb = row0 - 8 * h;  // first row of the 16-row group
+        if ((w % (S::br / 16)) == 0 && rb < M && cok) {
+          const int64_t idx = (rb / S::br) * K + col + 4 * h;
+          if constexpr (S::kind == kFp8Scaled)
+            *reinterpret_cast<uint4*>(reinterpret_cast<uint32_t*>(s.scale) + idx) = make_uint4(bits[0], bits[1], bits[2], bits[3]);
+          else
+            *reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(s.scale) + idx) =
+                bits[0] | (bits[1] << 8) | (bits[2] << 16) | (bits[3] << 24);
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          if (row0 + i < M && cok) store_row<S>(s, d, i, [&](int j) { return mult[j]; }, (row0 + i) * K + col, c.key);
+      } else {
+        uint32_t a = am[0];
+#pragma unroll
+        for (int j = 1; j < 8; ++j) a = umax(a, am[j]);
+#pragma unroll
+        for (int o = 1; o < S::bc / 8; o <<= 1) a = umax(a, __shfl_xor_sync(0xFFFFFFFFu, a, o));
+        uint32_t bits;
+        const float m = block_params<S::kind>(s, u2f(a), c.s_enc, bits);
+        if (first && cv % (S::bc / 8) == 0)
+          store_scale1<S::kind>(s, (row0 / S::br) * ((K + S::bc - 1) / S::bc) + col / S::bc, bits);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          if (row0 + i < M && cok) store_row<S>(s, d, i, [&](int) { return m; }, (row0 + i) * K + col, c.key);
+      }
+    } else if constexpr (S::had) {
+      // Columnwise NVFP4 of T x (T: 16-point random Hadamard along M). M % 16 == 0, so a 16-row
+      // group is wholly inside or outside the tensor; both half-warps run the shuffles regardless.
+      const int sg = s.signs >> (8 * h);
+      const bool sr = s.sr;
+      uint32_t codes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      uint32_t bits[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float v[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(d.f(i, j), ((sg >> i) & 1) ? -1.f : 1.f);
+#pragma unroll
+        for (int hh = 1; hh < 8; hh *= 2) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            if ((i & hh) == 0) {
+              const float a = v[i], b = v[i + hh];
+              v[i] = __fadd_rn(a, b);
+              v[i + hh] = __fsub_rn(a, b);
+            }
+          }
+        }
+        uint32_t a = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {  // stage 8: rows i (lower half-warp) and i + 8 (upper)
+          const float o = __shfl_xor_sync(0xFFFFFFFFu, v[i], 16);
+          v[i] = __fmul_rn(h == 0 ? __fadd_rn(v[i], o) : __fsub_rn(o, v[i]), 0.25f);
+          a = umax(a, abs_bits(v[i]));
+        }
+        a = umax(a, __shfl_xor_sync(0xFFFFFFFFu, a, 16));
+        const uint8_t sb = nvfp4_block_scale(u2f(a), c.s_enc);
+        bits[j] = sb;
+        const float f = nvfp4_factor(sb, c.s_enc);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) codes[i] |= fp4_code(v[i], f, sr, c.key, (row0 + i) * K + col + j) << (4 * j);
+      }
+      if (row0 < M && cok) {
+        if (h == 0) store_scales8<kNVFP4>(s, (row0 / 16) * K + col, bits);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          *reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(s.data) + ((row0 + i) * K + col) / 2) = codes[i];
+      }
+    } else {  // per-tensor FP8 or identity
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (row0 + i < M && cok) store_row<S>(s, d, i, [&](int) { return c.tmult; }, (row0 + i) * K + col, c.key);
+    }
+  }
+}
+
+template <typename T>
+constexpr int min_blocks() { return sizeof(T) == 4 ? 2 : 3; }
+
+template <typename T, class A, class B>
+__global__ void __launch_bounds__(kThreads, min_blocks<T>())
+    tile_kernel(const T* __restrict__ x, int64_t M, int64_t K, int tiles_k, SlotCfg sa, SlotCfg sb) {
+  constexpr bool need_row = A::row || B::row;
+  constexpr bool need_col = A::colmax || B::colmax;
+  constexpr bool need_red = A::tall || B::tall;
+  __shared__ uint4 red[need_red ? 8 : 1][32];  // per-warp 16-row column maxima
+
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const int cv = lane & 15, h = lane >> 4;
+  const int tm = blockIdx.x / tiles_k, tk = blockIdx.x % tiles_k;
+  const int64_t row0 = int64_t(tm) * kTile + w * 16 + h * 8;
+  const int64_t col = int64_t(tk) * kTile + cv * 8;
+
+  Regs<T> d;
+  const bool cok = col < K;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const bool ok = cok && row0 + i < M;
+    const T* p = x + (row0 + i) * K + col;
+#pragma unroll
+    for (int q = 0; q < Regs<T>::kV; ++q) d.v[i][q] = ok ? ld_stream(reinterpret_cast<const uint4*>(p) + q) : make_uint4(0, 0, 0, 0);
+  }
+  const SlotConst ka = slot_const<A>(sa), kb = slot_const<B>(sb);
+
+  uint32_t ra[8], ca[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) ra[k] = ca[k] = 0u;
+  if constexpr (need_row || need_col) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        uint32_t b;
+        if constexpr (sizeof(T) == 2 && std::is_same<T, __nv_bfloat16>::value) b = (d.raw(i, j) & 0x7FFFu) << 16;
+        else b = abs_bits(d.f(i, j));  // fp16 subnormals / fp32: compare as fp32 patterns
+        if constexpr (need_row) ra[i] = umax(ra[i], b);
+        if constexpr (need_col) ca[j] = umax(ca[j], b);
+      }
+    }
+  }
+  if constexpr (need_col) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) ca[j] = umax(ca[j], __shfl_xor_sync(0xFFFFFFFFu, ca[j], 16));
+  }
+  if constexpr (need_red) {
+    if (h == 0) {
+      red[w][2 * cv] = make_uint4(ca[0], ca[1], ca[2], ca[3]);
+      red[w][2 * cv + 1] = make_uint4(ca[4], ca[5], ca[6], ca[7]);
+    }
+    __syncthreads();
+  }
+  do_slot<A, T>(sa, ka, d, ra, ca, red, M, K, row0, col, w, h, cv);
+  do_slot<B, T>(sb, kb, d, ra, ca, red, M, K, row0, col, w, h, cv);
+}
+
+template <typename T, class A, class B>
+void run(const at::Tensor& x, const SlotCfg& a, const SlotCfg& b) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t tiles_k = (K + kTile - 1) / kTile, tiles = ((M + kTile - 1) / kTile) * tiles_k;
+  TORCH_CHECK(tiles < (int64_t(1) << 31), "dtq kernels: tensor too large");
+  tile_kernel<T, A, B><<<unsigned(tiles), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const T*>(x.data_ptr()), M, K, int(tiles_k), a, b);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Launches the specialised kernel for (a, b) and returns true, or returns false (no such pair).
+// Needs K % 16 == 0 and 16-byte aligned input and data pointers.
+template <typename T>
+bool launch(const at::Tensor& x, const SlotCfg& a, const SlotCfg& b) {
+#define DTQ_TRY(A_, B_)                          \
+  if (A_::match(a) && B_::match(b)) {            \
+    run<T, A_, B_>(x, a, b);                     \
+    return true;                                 \
+  }
+  DTQ_FAST_PAIRS(DTQ_TRY)
+#undef DTQ_TRY
+  return false;
+}
+
+}  // namespace fast
+}  // namespace dtq
