@@ -38,6 +38,7 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh, cfg: Config)
     plan = {"attn.qkv": dtq.parallel.ColwiseParallel(sequence_parallel=sp),
             "attn.proj": dtq.parallel.RowwiseParallel(sequence_parallel=sp),
             "mlp": dtq.parallel.LayerNormMLPParallel(sequence_parallel=sp)}
+    model.to(tp_mesh.device_type)  # TP styles split tensors that already live on the mesh's device
     for block in model.blocks:
         parallelize_module(block, tp_mesh, plan)
     model.sp_group = tp_mesh.get_group() if sp else None
