@@ -57,6 +57,12 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     def register_step_post_hook(self, hook):
         return self.inner.register_step_post_hook(lambda opt, args, kwargs: hook(self, args, kwargs))
 
+    def __getstate__(self) -> dict:  # torch.optim.Optimizer's keeps only defaults, state and groups
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
     # The inner optimizer's groups and state, read live: load_state_dict replaces them there, and
     # LR schedulers must act on the groups the inner optimizer steps with.
     @property
@@ -106,6 +112,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self.inner.step()
         for g, lr in zip(self.inner.param_groups, lrs):
             g["lr"] = lr
+        for st in self.inner.state.values():  # that step must not count (e.g. AdamW's bias correction)
+            if "step" in st:
+                st["step"] = torch.zeros_like(st["step"]) if isinstance(st["step"], torch.Tensor) else 0
         for p in touched:
             p.grad = None
 

@@ -35,6 +35,9 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh, cfg: Config)
     if heads % size:
         raise ValueError(f"config: model.heads = {heads} must be divisible by parallel.tp = {size} (each rank holds "
                          "whole attention heads)")
+    if sp and cfg.model.seq_len % size:
+        raise ValueError(f"config: model.seq_len = {cfg.model.seq_len} must be divisible by parallel.tp = {size} under "
+                         "sequence parallelism (each rank holds an equal slice of the sequence)")
     plan = {"attn.qkv": dtq.parallel.ColwiseParallel(sequence_parallel=sp),
             "attn.proj": dtq.parallel.RowwiseParallel(sequence_parallel=sp),
             "mlp": dtq.parallel.LayerNormMLPParallel(sequence_parallel=sp)}

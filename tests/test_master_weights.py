@@ -166,6 +166,14 @@ def test_master_weight_optimizer_param_groups_and_live_groups_after_load():
     opt.load_state_dict(opt.state_dict())
     opt.param_groups[0]["lr"] = 0.25  # what an LR scheduler does after a resume
     assert opt.inner.param_groups[0]["lr"] == 0.25
+    import copy
+    import pickle
+
+    for clone in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):  # the wrapper survives both
+        assert [g["lr"] for g in clone.param_groups] == [0.25, 0.5] and len(clone.masters) == 2
+    fresh = dtq.optim.MasterWeightOptimizer(model.parameters(), torch.optim.AdamW, lr=1.0)
+    fresh.state_dict()  # materializes AdamW's state for dcp.load; the step count stays 0
+    assert all(float(st["step"]) == 0 for st in fresh.inner.state.values())
     calls = []
     opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(o is opt))
     opt.step()  # no gradients: AdamW skips the parameters, the hook still runs

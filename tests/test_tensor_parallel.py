@@ -203,6 +203,20 @@ def _fsdp_tp_train_and_save(rank, world, path):
             torch.save(whole, f"{path}/{quantized}.whole.pt")
         if quantized:
             assert any("._payload.columnwise." in k for k in whole)
+            # Master-weight casts reduce tensor-wide amaxes over both mesh dims: after a step every
+            # rank holds the same per-tensor fields (amax, scale_inv), so gathered shards agree.
+            opt = dtq.optim.MasterWeightOptimizer(m.parameters(), torch.optim.SGD, lr=1e-3)
+            with dtq.autocast(recipe):
+                m(x_local).float().square().mean().backward()
+            opt.step()
+            for p in opt.quantized:
+                local = p._local_tensor
+                for d in local.directions:
+                    for k, v in local.payload(d).items():
+                        if v.dim() == 0:  # a per-tensor field
+                            seen = [torch.empty_like(v) for _ in range(world)]
+                            dist.all_gather(seen, v.contiguous())
+                            assert all(torch.equal(t, seen[0]) for t in seen), (d, k, seen)
 
 
 def _load_resharded(rank, world, path):
@@ -247,6 +261,8 @@ def _errors(rank, world):
     qlin = dtq.convert(dtq.nn.Linear(64, 64), recipe=dtq.MXFP8BlockScaling(), quantized_params=True)
     with pytest.raises(TypeError, match="apply the TP styles to high-precision weights and quantize afterwards"):
         parallelize_module(qlin, mesh, dtq.parallel.RowwiseParallel())
+    with pytest.raises(ValueError, match=r"shape \[3, 4\] cannot be split evenly along dim 0 over 2 ranks"):
+        dtq.parallel.tp.SplitToSP.apply(torch.randn(3, 4), mesh.get_group())
     lin = parallelize_module(dtq.nn.Linear(64, 64), mesh, dtq.parallel.RowwiseParallel())
     with pytest.raises(ValueError, match=r"expects 32 input features \(this rank's tensor-parallel shard\)"):
         lin(torch.randn(4, 64))

@@ -129,7 +129,9 @@ class Codec:
     def exact_dtype(cls, q, payload: Payload, direction: str, rotated: bool = False) -> torch.dtype:
         """The narrowest of bfloat16 / float32 holding the values of ``dequantize_factored`` (or of
         ``dequantize_rotated`` when ``rotated``) exactly: an emulated GEMM may feed such values to
-        BF16 tensor cores (with fp32 accumulation) without changing a single product."""
+        BF16 tensor cores (with fp32 accumulation) without changing a single product. (Values below
+        bf16's normal range, 2^-126, keep fewer bits there than in fp32: only blocks whose amax is
+        below ~1e-34 can have them, and their products vanish next to any normal value.)"""
         return torch.float32
 
     @classmethod

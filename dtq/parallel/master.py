@@ -44,14 +44,24 @@ def _local(p: torch.Tensor) -> QuantizedTensor:
     return t
 
 
-def _default_group(params):
+def _default_groups(params) -> list:
+    """Where tensor-wide amaxes are reduced: every mesh dimension that shards some parameter (FSDP2's
+    shard dim, a TP dim, both on a 2-D mesh; not HSDP's replicate dim), in a fixed order. A MAX
+    over a group that holds replicas of a tensor changes nothing, so one list serves all."""
     from torch.distributed.tensor import DTensor, Shard
 
+    groups: list = []
+    any_dtensor = False
     for p in params:
         if isinstance(p, DTensor):
-            dims = [i for i, pl in enumerate(p.placements) if isinstance(pl, Shard)]
-            return p.device_mesh.get_group(dims[-1]) if dims else None
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+            any_dtensor = True
+            for i, placement in enumerate(p.placements):
+                g = p.device_mesh.get_group(i)
+                if isinstance(placement, Shard) and p.device_mesh.size(i) > 1 and all(g is not h for h in groups):
+                    groups.append(g)
+    if any_dtensor:
+        return groups
+    return [dist.group.WORLD] if dist.is_available() and dist.is_initialized() else []
 
 
 def _write(param: QuantizedTensor, payloads: dict, element_range: tuple[int, int] | None) -> None:
@@ -83,12 +93,12 @@ def quantize_master_weights(params: Sequence[torch.Tensor], masters: Sequence[to
 
     ``params`` are QuantizedTensor parameters (or DTensors of them); ``masters`` the matching
     dim-0 shards or :class:`FlatSlice` objects. ``group`` is where the amaxes are reduced
-    (default: the parameters' FSDP shard group, else the default group; None without
-    ``torch.distributed``)."""
+    (default: every mesh dim that shards the parameters, FSDP2's and tensor-parallel ones; else
+    the default group; nowhere without ``torch.distributed``)."""
     params, masters = list(params), list(masters)
     if len(params) != len(masters):
         raise ValueError(f"quantize_master_weights: {len(params)} parameters but {len(masters)} masters")
-    group = group if group is not None else _default_group(params)
+    groups = [group] if group is not None else _default_groups(params)
     plans, stats = [], []
     for p, master in zip(params, masters):
         qt = _local(p)
@@ -113,8 +123,9 @@ def quantize_master_weights(params: Sequence[torch.Tensor], masters: Sequence[to
             plans.append(("shard", qt, master, dirs, list(amax), first))
     if stats:
         flat = torch.cat([s.reshape(-1).float() for s in stats])
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+        for g in groups:  # one all-reduce per sharding mesh dim (one, without tensor parallelism)
+            if dist.get_world_size(g) > 1:
+                dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=g)
         stats = _unflatten(flat.reshape(-1), stats)
     for plan in plans:
         if plan[0] == "shard":

@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from dtq.nn.layernorm import LayerNormLinear, LayerNormMLP, _Norm
 from dtq.nn.linear import Linear
+from dtq.parallel import comm
 from dtq.parallel.fsdp import HighPrecisionWeight
 from dtq.parallel.tp import TPSpec
 from dtq.tensor import QuantizedTensor
@@ -70,7 +71,10 @@ def _replicate_norm(norm: _Norm, mesh: DeviceMesh, sequence_parallel: bool) -> N
 
 def _to_local(x, mesh: DeviceMesh, placement):
     if isinstance(x, DTensor):
-        if tuple(x.placements) != (placement,):
+        if tuple(x.placements) != (placement,):  # a high-precision collective: counted, warned
+            comm.record_fallback(x.dtype, x.numel() * x.element_size(), "a tensor-parallel module's input",
+                                 f"it arrived as a DTensor with placements {tuple(x.placements)} and is redistributed "
+                                 f"to {placement}; pass the layout the style expects")
             x = x.redistribute(mesh, [placement])
         return x.to_local()
     return x

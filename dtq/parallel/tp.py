@@ -146,7 +146,11 @@ class SplitToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return x.chunk(dist.get_world_size(group))[dist.get_rank(group)].contiguous()
+        world = dist.get_world_size(group)
+        if x.shape[0] % world:
+            raise ValueError(f"sequence parallel: a tensor of shape {list(x.shape)} cannot be split evenly along dim 0 "
+                             f"over {world} ranks; use a sequence length divisible by the TP size")
+        return x.chunk(world)[dist.get_rank(group)].contiguous()
 
     @staticmethod
     def backward(ctx, g):
