@@ -1,4 +1,5 @@
-"""Casting FP32 master weights into quantized parameters, across ranks, with one all-reduce.
+"""Casting FP32 master weights into quantized parameters, across ranks, with one all-reduce per
+sharding mesh dim (one under FSDP2 alone; two under FSDP2 x TP).
 
 Two layouts of masters:
 
@@ -9,7 +10,7 @@ Two layouts of masters:
   rank's partial block amaxes are reduced (MAX) with the others', the scales come out identical
   on every rank, and each rank writes the codes of its own elements.
 
-All amaxes of all parameters travel in one all-reduce.
+All amaxes of all parameters travel together: one all-reduce per mesh dim that shards them.
 """
 
 from __future__ import annotations
