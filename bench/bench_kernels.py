@@ -13,6 +13,8 @@
    ``--generic``, also the generic fused kernel (``DTQ_GENERIC_QUANTIZE=1``) at every size.
 4. The tensor-wide amax pass alone (max|x|, and max|T x| for the random Hadamard): input bytes
    over time, against the copy ceiling (a pure read).
+5. The FP8 code transpose the native GEMMs need (``kernels.transposed``) of codes with the input's
+   element count, beside torch's ``.t().contiguous()``.
 Prints a table and writes JSON (device, torch, copy ceiling, every row) to ``--out``.
 """
 
@@ -133,6 +135,15 @@ def bench_amax(x, iters: int) -> list[dict]:
     return rows
 
 
+def bench_transpose(x, iters: int) -> dict:
+    codes = torch.randint(0, 256, x.shape, dtype=torch.uint8, device=x.device).view(torch.float8_e4m3fn)
+    ms = _time_ms(lambda: kernels.transposed(codes), iters)
+    torch_ms = _time_ms(lambda: codes.t().contiguous(), iters)
+    n = codes.numel()
+    return {"format": "transpose fp8 codes", "dirs": "-", "ms": ms, "in_bytes": n, "out_bytes": n, "amax_pass": False,
+            "gbps": 2 * n / ms / 1e6, "ideal_fraction": 1.0, "torch_ms": torch_ms}
+
+
 def bench_reference(q, x, dirs: str, seed: torch.Tensor) -> float:
     os.environ["DTQ_DISABLE_KERNELS"] = "1"
     try:
@@ -190,6 +201,10 @@ def main() -> int:
                         del os.environ["DTQ_GENERIC_QUANTIZE"]
                 rows.append(r)
                 torch.cuda.empty_cache()
+        if not args.only or "transpose" in args.only:
+            r = bench_transpose(x, args.iters)
+            r.update(size_mib=size, shape=[m, K], fraction=r["gbps"] / ceiling, reference_ms=r["torch_ms"])
+            rows.append(r)
         if not args.only or "amax" in args.only:
             for r in bench_amax(x, args.iters):
                 r.update(size_mib=size, shape=[m, K], fraction=r["gbps"] / ceiling)

@@ -5,9 +5,9 @@ recipe, two hybrids, and torchao float8 (tensorwise, eager and torch.compile'd),
     python bench/bench_layers.py --smoke        # tiny shapes, any device: checks the script runs
 
 It first measures the device's ceilings (BF16 GEMM, FP8 per-tensor and 1x128 x 128x128 blockwise
-scaled GEMMs at 8192^3, copy bandwidth), then times each layer (CUDA events, median of --iters
-after warm-up) and prints speed-ups over BF16 and the fraction of the BF16 GEMM ceiling reached
-(model FLOPs: 6 * tokens * params for forward + backward).
+scaled GEMMs at 8192^3, copy bandwidth), then times each layer (CUDA events around --inner
+back-to-back steps, median of --iters samples after warm-up) and prints speed-ups over BF16 and
+the fraction of the BF16 GEMM ceiling reached (model FLOPs: 6 * tokens * params, fwd + bwd).
 """
 
 from __future__ import annotations
@@ -53,23 +53,27 @@ def recipes() -> dict:
     }
 
 
-def timer(fn, iters: int, warmup: int, device: torch.device) -> float:
-    """Median milliseconds of ``fn()``."""
+def timer(fn, iters: int, warmup: int, device: torch.device, inner: int = 1) -> float:
+    """Median milliseconds of ``fn()``; each sample times ``inner`` back-to-back calls (the host
+    queues the next step while the GPU runs this one, as in training) and divides."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
             start.record()
-            fn()
+            for _ in range(inner):
+                fn()
             end.record()
             torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
+            times.append(start.elapsed_time(end) / inner)
         else:
             t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+            for _ in range(inner):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / inner)
     return statistics.median(times)
 
 
@@ -125,6 +129,7 @@ def main() -> None:
     p.add_argument("--ffn", type=int, default=14336)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--inner", type=int, default=4, help="back-to-back steps per timed sample")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, 1 iteration: check the script runs")
     p.add_argument("--only", default="", help="comma-separated row names to run (default: all)")
     p.add_argument("--out", default="")
@@ -157,7 +162,7 @@ def main() -> None:
             if wanted and name not in wanted and name != "bf16":
                 continue
             try:
-                ms = timer(step_fn(model, x, recipe), args.iters, args.warmup, device)
+                ms = timer(step_fn(model, x, recipe), args.iters, args.warmup, device, args.inner)
             except Exception as e:  # report and go on: one failing row must not hide the others
                 print(f"{lname:10s} {name:28s} FAILED: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 rows.append({"layer": lname, "name": name, "error": f"{type(e).__name__}: {e}"})
@@ -176,7 +181,8 @@ def main() -> None:
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
         meta = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "torch": torch.__version__,
                 "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
-                "tokens": args.tokens, "hidden": args.hidden, "ffn": args.ffn, "iters": args.iters}
+                "tokens": args.tokens, "hidden": args.hidden, "ffn": args.ffn, "iters": args.iters,
+                "inner": args.inner}
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "ceilings": ceil, "rows": rows}, f, indent=1)
 

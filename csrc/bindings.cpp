@@ -9,6 +9,7 @@ void quantize_fused(const at::Tensor& x, const std::vector<int64_t>& cfg_a, cons
 void amax(const at::Tensor& x, const at::Tensor& out, bool want_x, int64_t signs);
 void dequantize(const at::Tensor& data, const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& tensor,
                 const std::vector<int64_t>& cfg, const at::Tensor& out);
+void transpose_u8(const at::Tensor& in, const at::Tensor& out);
 }  // namespace dtq
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -16,4 +17,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Up to two direction payloads of a [M, K] tensor from one read (slot configs: see csrc/common.cuh)");
   m.def("amax", &dtq::amax, "Tensor-wide max|x| and/or max|T x| (16-row Hadamard) into int32[2] bit patterns");
   m.def("dequantize", &dtq::dequantize, "One direction payload back to [M, K] values");
+  m.def("transpose_u8", &dtq::transpose_u8, "Contiguous [K, M] copy of a 1-byte [M, K] matrix");
 }

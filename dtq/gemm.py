@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from typing import Callable, Iterator
 
 import torch
 
+from dtq import kernels
 from dtq.formats.base import codec_for, shape_2d
 from dtq.tensor import QuantizedTensor
 
@@ -61,19 +63,20 @@ class Operand:
     direction: str = "rowwise"
     transpose: bool = False
 
-    @property
+    # Cached: the path checks ask for these many times per GEMM (host time is on the critical path).
+    @functools.cached_property
     def quantized(self) -> bool:
         return isinstance(self.tensor, QuantizedTensor)
 
-    @property
+    @functools.cached_property
     def quantizer(self):
         return self.tensor.quantizer.for_direction(self.direction) if self.quantized else None
 
-    @property
+    @functools.cached_property
     def format(self) -> str:
         return self.quantizer.format_name if self.quantized else "hp"
 
-    @property
+    @functools.cached_property
     def payload(self) -> dict:
         return self.tensor.payload(self.direction)
 
@@ -81,7 +84,7 @@ class Operand:
         m, k = self.tensor.shape2d if self.quantized else shape_2d(self.tensor.shape)
         return (k, m) if self.transpose else (m, k)
 
-    @property
+    @functools.cached_property
     def rotation(self):
         return codec_for(self.quantizer).rotation(self.quantizer, self.direction) if self.quantized else None
 
@@ -163,7 +166,7 @@ def _emulated_bf16(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tens
 
 
 def _sm_at_least(t: torch.Tensor, major: int, minor: int = 0) -> bool:
-    return t.is_cuda and torch.cuda.get_device_capability(t.device) >= (major, minor)
+    return t.is_cuda and kernels.capability(t.device) >= (major, minor)
 
 
 def _fp8_tensorwise_ok(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
@@ -175,14 +178,21 @@ def _fp8_tensorwise_ok(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
     return m % 16 == 0 and k % 16 == 0 and n % 16 == 0 and out_dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _row_major(op: Operand) -> torch.Tensor:
+    """op(X)'s codes row-major. cuBLASLt FP8 wants A row-major and B column-major ("TN"): the
+    stored [M, K] codes are transposed here where the layout does not fit (else views)."""
+    d = op.payload["data"]
+    return kernels.transposed(d) if op.transpose else d.contiguous()
+
+
+def _col_major(op: Operand) -> torch.Tensor:
+    """op(X)'s codes column-major (see _row_major)."""
+    d = op.payload["data"]
+    return d.contiguous().t() if op.transpose else kernels.transposed(d).t()
+
+
 def _fp8_tensorwise(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
-    # cuBLASLt FP8 wants A row-major and B column-major ("TN"); transposes of the stored
-    # [M, K] codes happen here (views when the layout already fits).
-    da = a.payload["data"]
-    da = (da.t() if a.transpose else da).contiguous()
-    db = b.payload["data"]
-    db = db.t() if b.transpose else db
-    db = db.t().contiguous().t()
+    da, db = _row_major(a), _col_major(b)
     return torch._scaled_mm(da, db, scale_a=a.payload["scale_inv"].reshape(()).float(),
                             scale_b=b.payload["scale_inv"].reshape(()).float(), out_dtype=out_dtype)
 
@@ -205,7 +215,7 @@ def _block_kind(op: Operand, is_b: bool) -> str | None:
 
 
 def _fp8_blockwise_ok(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
-    if not _sm_at_least(a.tensor, 9) or torch.cuda.get_device_capability(a.tensor.device)[0] != 9:
+    if not _sm_at_least(a.tensor, 9) or kernels.capability(a.tensor.device)[0] != 9:
         return False  # cuBLAS's 1x128 / 128x128 FP8 kernels are Hopper's
     if not hasattr(torch.nn.functional, "scaled_mm"):
         return False
@@ -234,10 +244,7 @@ def _fp8_blockwise(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tens
     # 1x128 scales [m, k/128] column-major; B column-major with 1x128 scales [n, k/128]
     # column-major, or 128x128 scales [k/128 padded to a multiple of 4, n/128] column-major.
     F = torch.nn.functional
-    da = a.payload["data"]
-    da = (da.t() if a.transpose else da).contiguous()
-    db = b.payload["data"]
-    db = _colmajor(db.t() if b.transpose else db)
+    da, db = _row_major(a), _col_major(b)
     sa = _colmajor(_scales_by_contraction(a, False).float())
     sb = _scales_by_contraction(b, True).float()
     if _block_kind(b, True) == "128x128":

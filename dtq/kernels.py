@@ -15,6 +15,7 @@ direction): the fused kernel reads the input once and writes up to two direction
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 import threading
@@ -30,7 +31,7 @@ INPUT_DTYPES = tuple(_DTYPE_CODE)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = ("bindings.cpp", "quantize.cu", "quantize_fast_bf16.cu", "quantize_fast_f16.cu", "quantize_fast_f32.cu", "amax.cu",
-           "dequantize.cu")
+           "dequantize.cu", "transpose.cu")
 # fp32 arithmetic must stay exactly the references': no FMA contraction, no fast math.
 CUDA_FLAGS = ("-O3", "-fmad=false", "-gencode=arch=compute_90,code=[sm_90,compute_90]", "-std=c++17")
 
@@ -120,6 +121,17 @@ def build_error() -> str | None:
     return _error
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA device's compute capability, cached: torch's lookup costs tens of microseconds of
+    host time, and every GEMM and quantize asks."""
+    return _capability(torch.cuda.current_device() if device.index is None else device.index)
+
+
 def available(device: torch.device | str | int | None = None) -> bool:
     """Whether the kernels can run on ``device`` (default: the current CUDA device): a CUDA build of
     torch, an sm_90+ GPU, kernels not disabled, and the extension built (building it if needed)."""
@@ -128,7 +140,7 @@ def available(device: torch.device | str | int | None = None) -> bool:
     dev = torch.device("cuda") if device is None else torch.device(device)
     if dev.type != "cuda":
         return False
-    if torch.cuda.get_device_capability(dev)[0] < 9:
+    if capability(dev)[0] < 9:
         return False
     return extension() is not None
 
@@ -191,6 +203,19 @@ def dequantize(spec: KernelSpec, payload: dict[str, torch.Tensor], shape: tuple[
            spec.hadamard_signs or 0, int(factored)]
     extension().dequantize(data.contiguous().view(torch.uint8),
                            None if scale is None else scale.contiguous(), tensor, cfg, out)
+    return out
+
+
+def transposed(x: torch.Tensor) -> torch.Tensor:
+    """Contiguous ``[K, M]`` copy of the 2-D tensor ``x``. FP8 codes on the GPU (1-byte, both dims
+    multiples of 16, aligned) take the tiled byte-transpose kernel; anything else torch's copy."""
+    x = x.contiguous()
+    ok = (x.dim() == 2 and x.element_size() == 1 and x.is_cuda and x.shape[0] % 16 == 0 and x.shape[1] % 16 == 0
+          and x.data_ptr() % 16 == 0 and available(x.device))
+    if not ok:
+        return x.t().contiguous()
+    out = torch.empty((x.shape[1], x.shape[0]), dtype=x.dtype, device=x.device)
+    extension().transpose_u8(x.view(torch.uint8), out.view(torch.uint8))
     return out
 
 

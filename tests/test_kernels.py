@@ -228,6 +228,8 @@ def test_cpu_loader_reports_unavailable_and_quantize_works(monkeypatch):
     for name, q in ALL.items():
         t = q.quantize(x, seed=SEED)
         assert t.dequantize().shape == x.shape, name
+    codes = torch.randint(0, 256, (32, 48), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    assert torch.equal(kernels.transposed(codes).view(torch.uint8), codes.view(torch.uint8).t().contiguous())
 
 
 def test_kernel_specs_describe_reference_payloads():
@@ -275,3 +277,22 @@ def test_specialised_kernels_partial_tiles(name):
             if _valid(q, shape, dirs):
                 kw = dict(rowwise=dirs[0], columnwise=dirs[1], seed=SEED)
                 _compare(q.quantize(x.cuda(), **kw), q.quantize(x, **kw), f"{name} {shape} {dirs}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", [(16, 16), (128, 128), (144, 272), (4096, 48), (48, 4112), (1040, 2064)])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e4m3fn])
+def test_byte_transpose_matches_torch(shape, dtype):
+    """The FP8 code transpose (GEMM layouts) is a byte-exact copy, partial edge tiles included."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda", generator=g).view(dtype)
+    out = kernels.transposed(x)
+    assert out.dtype == dtype and out.is_contiguous() and out.shape == (shape[1], shape[0])
+    assert torch.equal(out.view(torch.uint8), x.view(torch.uint8).t().contiguous())
+
+
+@needs_cuda
+def test_byte_transpose_falls_back_where_the_kernel_does_not_apply():
+    base = torch.arange(0, 40 * 33, dtype=torch.int32, device="cuda").to(torch.uint8)
+    for x in (base.view(40, 33), base[1:1 + 32 * 32].view(32, 32), base[:32 * 40].view(32, 40).float()):
+        assert torch.equal(kernels.transposed(x), x.t().contiguous())

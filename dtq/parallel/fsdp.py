@@ -226,6 +226,22 @@ def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, ra
 aten = torch.ops.aten
 
 
+def _map1(fn, x):
+    """``fn`` over ``x`` or, for a list / tuple, over its items (the nesting aten arguments have);
+    deeper structures go through pytree."""
+    if isinstance(x, (list, tuple)):
+        if any(isinstance(e, (list, tuple, dict)) for e in x):
+            return tree_map(fn, x)
+        return type(x)(fn(e) for e in x) if type(x) in (list, tuple) else tree_map(fn, x)
+    if isinstance(x, dict):
+        return tree_map(fn, x)
+    return fn(x)
+
+
+def _map(fn, args: tuple) -> tuple:
+    return tuple(_map1(fn, a) for a in args)
+
+
 class HighPrecisionWeight(torch.Tensor):
     """A GEMM weight kept in high precision whose FSDP2 all-gather moves quantized payloads.
 
@@ -262,6 +278,9 @@ class HighPrecisionWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # Every op on a parameter (the optimizer's, autograd's accumulation, FSDP2's) passes here,
+        # so this is on the host's critical path: aten arguments nest at most one level (tensor
+        # lists of foreach ops), which _map walks without pytree.
         wrappers = {}
 
         def unwrap(t):
@@ -270,11 +289,12 @@ class HighPrecisionWeight(torch.Tensor):
                 return t._data
             return t
 
-        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        out = func(*_map(unwrap, args), **{k: _map1(unwrap, v) for k, v in (kwargs or {}).items()})
         # In-place ops hand back their (unwrapped) argument: give the wrapper back instead.
-        out = tree_map(lambda t: wrappers.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
+        if wrappers:
+            out = _map1(lambda t: wrappers.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
         if func in cls._KEEP:
-            return tree_map(lambda t: HighPrecisionWeight(t) if type(t) is torch.Tensor else t, out)
+            return _map1(lambda t: HighPrecisionWeight(t) if type(t) is torch.Tensor else t, out)
         return out
 
     def __reduce_ex__(self, protocol):
