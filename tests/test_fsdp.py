@@ -317,11 +317,14 @@ def _check_amax_and_mixed_precision(rank, world):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = _shard(_model(), mesh, True, mp)
     full = _model()
+    dtq.parallel.precompute_amax(model, recipe)  # before the first forward: amaxes of the bf16 casts
     dtq.parallel.comm_stats(reset=True)
-    with dtq.autocast(recipe):
-        y = model(x.bfloat16())
-    assert y.dtype == torch.bfloat16
-    y.float().square().mean().backward()
+    with _CountAllReduce() as count:
+        with dtq.autocast(recipe):
+            y = model(x.bfloat16())
+        assert y.dtype == torch.bfloat16
+        y.float().square().mean().backward()
+    assert count.calls == 0  # the gathers found the precomputed amaxes of the shards they quantize
     stats = dtq.parallel.comm_stats(reset=True)
     n_elems = sum(getattr(m, w).numel() for m in full if isinstance(m, dtq.nn.QuantizedModule) for w in m.weight_names())
     assert stats == {"fp8/rowwise": n_elems, "fp8/columnwise": n_elems}

@@ -384,7 +384,10 @@ def precompute_amax(model: torch.nn.Module, recipe=None) -> None:
             if q is None:
                 continue
             ctx = gather_context(local)
-            dtype = getattr(ctx.fsdp_param, "param_dtype", None) or local.dtype  # set at FSDP2's first forward
+            # The dtype fsdp_pre_all_gather casts the shard to: the policy's param_dtype, known from
+            # fully_shard on (FSDPParam.param_dtype is set only at the first forward).
+            policy = getattr(ctx.fsdp_param, "mp_policy", None)
+            dtype = getattr(policy, "param_dtype", None) or getattr(ctx.fsdp_param, "param_dtype", None) or local.dtype
             amax = q.local_amax(local._data.to(dtype))
             if amax:
                 pg = ctx.fsdp_param.shard_mesh_from_root.get_group()
