@@ -152,8 +152,10 @@ def available(device: torch.device | str | int | None = None) -> bool:
 def amax(x: torch.Tensor, want_x: bool, hadamard_signs: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(max|x|, max|T x|)`` as fp32 0-dim tensors from one read of the [M, K] CUDA tensor ``x``
     (each only meaningful when asked for); NaN propagates."""
-    buf = torch.zeros(2, dtype=torch.int32, device=x.device)
-    if hadamard_signs is not None or want_x:
+    buf = torch.empty(2, dtype=torch.int32, device=x.device)  # the kernel zeroes it first
+    if hadamard_signs is None and not want_x:
+        buf.zero_()
+    else:
         extension().amax(x, buf, bool(want_x), -1 if hadamard_signs is None else int(hadamard_signs))
     f = buf.view(torch.float32)
     return f[0], f[1]

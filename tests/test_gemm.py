@@ -164,6 +164,9 @@ def test_bf16_tensor_core_emulation_on_gpu():
                 out = mm(a, b, torch.float32)
             assert paths == ["emulated_bf16"], (qa, qb, paths)
             assert _rel(out, dtq.gemm._emulated(a, b, torch.float32)) < 1e-5
+            # A bf16 output (written by the GEMM where no per-tensor factor follows) is that sum
+            # rounded once: within bf16's rounding (2^-9 relative per element) of the fp32 result.
+            assert _rel(mm(a, b, torch.bfloat16).float(), out) < 2 ** -8
             rotated = dtq.gemm._shared_rotation(a, b)
             for op in (a, b):  # the bf16 operands (kernel-written) are the CPU reference's values
                 cpu = Operand(op.tensor.to("cpu"), op.direction, op.transpose)
