@@ -147,16 +147,19 @@ class TrainConfig:
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """``tp``: tensor-parallel degree (the rest of the world is FSDP2 data parallel).
+    ``replicate``: HSDP replica groups: FSDP2 shards each parameter over world / (replicate * tp)
+    ranks and all-reduces gradients across the replicas (1: plain FSDP2 over all of them).
     ``sequence_parallel``: with ``tp > 1``, split activations along the sequence between the
     GEMMs (their inputs are then gathered quantized). ``reshard_after_forward``: FSDP2's setting
     for every block (the root never reshards)."""
 
     tp: int = 1
+    replicate: int = 1
     sequence_parallel: bool = False
     reshard_after_forward: bool = True
 
     def __post_init__(self):
-        _positive("parallel", tp=self.tp)
+        _positive("parallel", tp=self.tp, replicate=self.replicate)
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("config: parallel.sequence_parallel = true needs parallel.tp > 1")
 

@@ -21,13 +21,72 @@ def human_bytes(n: float) -> str:
 
 
 def progress_line(rec: dict[str, Any], total_steps: int) -> str:
-    """``step  20/40 | loss 3.1416 | lr 2.7e-03 | 12,345 tok/s | gathered 1.23 MB (mxfp8/rowwise 0.82 MB, ...)``"""
+    """``step  20/40 | loss 3.1416 | lr 2.7e-03 | 12,345 tok/s | gathered 1.23 MB (mxfp8/rowwise 0.82 MB,
+    ...) | reduce-scattered 2.46 MB | 95 ms/step | peak 3.2 GiB`` (the last three where recorded)."""
     gathered = rec.get("gathered_bytes") or {}
     parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(gathered.items()))
     width = len(str(total_steps))
-    return (f"step {rec['step']:>{width}}/{total_steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.1e} | "
+    line = (f"step {rec['step']:>{width}}/{total_steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.1e} | "
             f"{rec['tokens_per_s']:,.0f} tok/s | gathered {human_bytes(sum(gathered.values()))}"
             + (f" ({parts})" if parts else ""))
+    collectives = rec.get("collective_bytes") or {}
+    if "reduce_scattered" in collectives:
+        line += f" | reduce-scattered {human_bytes(collectives['reduce_scattered'])}"
+    if "step_s" in rec:
+        line += f" | {rec['step_s'] * 1e3:,.0f} ms/step"
+    if rec.get("peak_memory_bytes") is not None:
+        line += f" | peak {rec['peak_memory_bytes'] / 2 ** 30:.1f} GiB"
+    return line
+
+
+class CollectiveBytes:
+    """Bytes this rank passes through torch.distributed's tensor all-gathers (output),
+    reduce-scatters (input) and ``all_reduce``, counted while the context is open: FSDP2's parameter
+    gathers and gradient reduce-scatters, HSDP's gradient all-reduce across replicas, and the
+    trainer's own small reductions (loss, gradient norm, amaxes). Wraps the ``torch.distributed``
+    functions, which FSDP2 looks up at each call, and restores them on exit. Both spellings are
+    wrapped where present (torch 2.13's FSDP2 calls ``*_single``, 2.11's ``*_into_tensor`` /
+    ``reduce_scatter_tensor``; the deprecated names forward to the new ones without passing
+    through ``torch.distributed`` again, so nothing counts twice)."""
+
+    _WRAPPED = {"all_gather_into_tensor": ("all_gathered", 0, "output_tensor"),
+                "all_gather_single": ("all_gathered", 0, "output_tensor"),
+                "reduce_scatter_tensor": ("reduce_scattered", 1, "input"),
+                "reduce_scatter_single": ("reduce_scattered", 1, "input"),
+                "all_reduce": ("all_reduced", 0, "tensor")}
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+        self._originals: dict[str, Any] = {}
+
+    def _wrap(self, fn, key: str, index: int, keyword: str):
+        def counted(*args, **kwargs):
+            t = args[index] if len(args) > index else kwargs[keyword]
+            self.counts[key] = self.counts.get(key, 0) + t.numel() * t.element_size()
+            return fn(*args, **kwargs)
+        return counted
+
+    def __enter__(self) -> "CollectiveBytes":
+        import torch.distributed as dist
+
+        for name, (key, index, keyword) in self._WRAPPED.items():
+            if not hasattr(dist, name):
+                continue
+            self._originals[name] = getattr(dist, name)
+            setattr(dist, name, self._wrap(self._originals[name], key, index, keyword))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch.distributed as dist
+
+        for name, fn in self._originals.items():
+            setattr(dist, name, fn)
+        self._originals.clear()
+
+    def take(self) -> dict[str, int]:
+        """The counts since the last call, then zero."""
+        out, self.counts = self.counts, {}
+        return out
 
 
 class MetricsLog:

@@ -1,6 +1,7 @@
 """Parallelizing the model: tensor/sequence parallelism first (on the mesh's "tp" dim), then FSDP2
-``fully_shard`` on every block and on the root (on the "dp" dim). Mesh ranks are laid out
-``(dp, tp)``: the ``tp`` ranks of one data-parallel replica are consecutive."""
+``fully_shard`` on every block and on the root (on the "dp" dim, or HSDP on ("replicate", "dp")).
+Mesh ranks are laid out ``(replicate, dp, tp)``: the ``tp`` ranks of one data-parallel replica are
+consecutive, then the FSDP2 shards of one HSDP replica."""
 
 from __future__ import annotations
 
@@ -14,13 +15,27 @@ import dtq
 from launch.config import Config
 
 
-def make_mesh(device: torch.device, world_size: int, tp: int) -> DeviceMesh:
-    """A ("dp",) mesh, or ("dp", "tp") when tensor parallelism is on."""
-    if world_size % tp:
-        raise ValueError(f"config: parallel.tp = {tp} must divide the world size {world_size}")
-    if tp == 1:
-        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
-    return init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+def make_mesh(device: torch.device, world_size: int, tp: int, replicate: int = 1) -> DeviceMesh:
+    """A ("dp",) mesh, with a leading "replicate" dim under HSDP and a trailing "tp" dim under
+    tensor parallelism (size-1 dims are left out)."""
+    if world_size % (tp * replicate):
+        raise ValueError(f"config: parallel.tp * parallel.replicate = {tp} * {replicate} must divide the world "
+                         f"size {world_size}")
+    dims = ([("replicate", replicate)] if replicate > 1 else []) + [("dp", world_size // (tp * replicate))]
+    dims += [("tp", tp)] if tp > 1 else []
+    names, sizes = zip(*dims)
+    return init_device_mesh(device.type, tuple(sizes), mesh_dim_names=tuple(names))
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 runs on: every dim but "tp" (2-D ("replicate", "dp") is HSDP)."""
+    names = tuple(n for n in mesh.mesh_dim_names if n != "tp")
+    return mesh if names == mesh.mesh_dim_names else mesh[names]
+
+
+def describe(mesh: DeviceMesh) -> str:
+    """``dp 4``, ``replicate 2 x dp 2``, ``dp 2 x tp 2``: the layout, for the progress header."""
+    return " x ".join(f"{name} {size}" for name, size in zip(mesh.mesh_dim_names, mesh.shape))
 
 
 def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh, cfg: Config) -> None:
@@ -56,7 +71,7 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, cfg: Config, recipe=No
         apply_tensor_parallel(model, mesh, cfg)
     if cfg.train.quantized_params:
         dtq.convert(model, recipe=recipe, quantized_params=True, module_filter_fn=lambda m, fqn: False)
-    dp = mesh["dp"] if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names else mesh
+    dp = data_parallel_mesh(mesh)
     mp = None
     if cfg.train.dtype == "bfloat16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -90,6 +90,17 @@ def evaluate(model, val: data.ByteWindows, cfg: config_mod.Config, recipe, devic
     return total.item() / (dist.get_world_size() * cfg.train.eval_batches)
 
 
+def _start_interval(device: torch.device) -> float:
+    """The start of a log interval: peak memory is tracked per interval (CUDA only)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    return time.perf_counter()
+
+
+def _peak_memory(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
 def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto") -> dict:
     """Run one training job on an initialized or fresh process group; returns the last train
     and validation losses."""
@@ -106,9 +117,11 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto") 
     torch.manual_seed(tc.seed)  # the same initial weights on every rank
     model = build_model(cfg.model)
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    dp_world, dp_rank = world // cfg.parallel.tp, rank // cfg.parallel.tp  # mesh (dp, tp): tp ranks adjacent
-    preflight.check_shapes(model, recipe, tokens_per_rank, dp_world)
-    mesh = parallel.make_mesh(device, world, cfg.parallel.tp)
+    # Mesh (replicate, dp, tp): the tp ranks of a replica are adjacent; every HSDP replica and FSDP2
+    # shard of the data-parallel world reads its own slice of the global batch.
+    dp_world, dp_rank = world // cfg.parallel.tp, rank // cfg.parallel.tp
+    preflight.check_shapes(model, recipe, tokens_per_rank, dp_world // cfg.parallel.replicate)
+    mesh = parallel.make_mesh(device, world, cfg.parallel.tp, cfg.parallel.replicate)
     model = parallel.parallelize(model, mesh, cfg, recipe)
     model.recompute = tc.recompute
     opt = optim.build_optimizer(model, tc)
@@ -135,7 +148,7 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto") 
         print(f"dtq {dtq.__version__} | {cfg.model.kind} model, {cfg.model.layers} layers, hidden {cfg.model.hidden}: "
               f"{n_params / 1e6:.2f} M parameters | recipe {tc.recipe}"
               + (" (quantized parameters)" if tc.quantized_params else "")
-              + f" | {world} rank(s) via {denv.launcher}, {backend} on {device.type} | "
+              + f" | {world} rank(s) via {denv.launcher}, {backend} on {device.type}, mesh {parallel.describe(mesh)} | "
               f"{tokens_per_rank} tokens/rank/step" + (f" | resumed at step {step}" if resumed_from else ""),
               flush=True)
         if recipe is None:
@@ -149,55 +162,60 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto") 
 
     if recipe is not None and not tc.quantized_params:
         dtq.parallel.precompute_amax(model, recipe)  # the first step's gathers too
-    dtq.parallel.comm_stats(reset=True)
-    loss_sum, interval_steps, t0 = torch.zeros((), device=device), 0, time.perf_counter()
-    last = {"loss": float("nan"), "val_loss": float("nan")}
-    b = tc.batch_size
-    while step < tc.steps:
-        step += 1
-        lr = optim.lr_at(step, tc)
-        optim.set_lr(opt, lr)
-        x, y = train_data.batch(samples + dp_rank * b, b)  # this replica's slice of the global batch
-        x, y = x.to(device), y.to(device)
-        with dtq.autocast(recipe, enabled=recipe is not None), activation_memory(tc, device):
-            loss = lm_loss(model, x, y)
-        loss.backward()
-        if tc.grad_clip > 0:
-            optim.clip_grad_norm(model.parameters(), tc.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if recipe is not None and not tc.quantized_params:
-            dtq.parallel.precompute_amax(model, recipe)  # every weight's amax in one all-reduce
-        samples += b * dp_world
-        loss_sum += loss.detach()
-        interval_steps += 1
+    collectives = metrics.CollectiveBytes()
+    with collectives:
+        dtq.parallel.comm_stats(reset=True)
+        loss_sum, interval_steps, t0 = torch.zeros((), device=device), 0, time.perf_counter()
+        last = {"loss": float("nan"), "val_loss": float("nan")}
+        b = tc.batch_size
+        while step < tc.steps:
+            step += 1
+            lr = optim.lr_at(step, tc)
+            optim.set_lr(opt, lr)
+            x, y = train_data.batch(samples + dp_rank * b, b)  # this replica's slice of the global batch
+            x, y = x.to(device), y.to(device)
+            with dtq.autocast(recipe, enabled=recipe is not None), activation_memory(tc, device):
+                loss = lm_loss(model, x, y)
+            loss.backward()
+            if tc.grad_clip > 0:
+                optim.clip_grad_norm(model.parameters(), tc.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if recipe is not None and not tc.quantized_params:
+                dtq.parallel.precompute_amax(model, recipe)  # every weight's amax in one all-reduce
+            samples += b * dp_world
+            loss_sum += loss.detach()
+            interval_steps += 1
 
-        if step % tc.log_every == 0 or step == tc.steps:
-            dist.all_reduce(loss_sum)
-            elapsed = time.perf_counter() - t0
-            rec = {"kind": "train", "step": step, "loss": loss_sum.item() / (world * interval_steps), "lr": lr,
-                   "tokens_per_s": interval_steps * tokens_per_rank * dp_world / elapsed,
-                   "gathered_bytes": dtq.parallel.comm_stats(reset=True), "samples": samples,
-                   "elapsed_s": elapsed}
-            last["loss"] = rec["loss"]
-            log.write(rec)
-            if rank == 0:
-                print(metrics.progress_line(rec, tc.steps), flush=True)
-            loss_sum.zero_()
-            interval_steps, t0 = 0, time.perf_counter()
-        if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
-            last["val_loss"] = evaluate(model, val_data, cfg, recipe, device, dp_rank, dp_world)
-            log.write({"kind": "eval", "step": step, "val_loss": last["val_loss"]})
-            if rank == 0:
-                print(f"step {step}: validation loss {last['val_loss']:.4f}", flush=True)
-            dtq.parallel.comm_stats(reset=True)  # eval gathers are not training traffic
-            t0 = time.perf_counter()
-        if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == tc.steps:
-            path = checkpointing.save(tc.out_dir, step, model, opt,
-                                      {"step": step, "samples": samples, "world_size": world}, device)
-            if rank == 0:
-                print(f"checkpoint: {path}", flush=True)
-            t0 = time.perf_counter()
+            if step % tc.log_every == 0 or step == tc.steps:
+                dist.all_reduce(loss_sum)
+                elapsed = time.perf_counter() - t0
+                rec = {"kind": "train", "step": step, "loss": loss_sum.item() / (world * interval_steps), "lr": lr,
+                       "tokens_per_s": interval_steps * tokens_per_rank * dp_world / elapsed,
+                       "step_s": elapsed / interval_steps, "gathered_bytes": dtq.parallel.comm_stats(reset=True),
+                       "collective_bytes": collectives.take(), "peak_memory_bytes": _peak_memory(device),
+                       "samples": samples, "elapsed_s": elapsed}
+                last["loss"] = rec["loss"]
+                log.write(rec)
+                if rank == 0:
+                    print(metrics.progress_line(rec, tc.steps), flush=True)
+                loss_sum.zero_()
+                interval_steps, t0 = 0, _start_interval(device)
+            if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
+                last["val_loss"] = evaluate(model, val_data, cfg, recipe, device, dp_rank, dp_world)
+                log.write({"kind": "eval", "step": step, "val_loss": last["val_loss"]})
+                if rank == 0:
+                    print(f"step {step}: validation loss {last['val_loss']:.4f}", flush=True)
+                dtq.parallel.comm_stats(reset=True)  # eval gathers are not training traffic
+                collectives.take()
+                t0 = _start_interval(device)
+            if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == tc.steps:
+                path = checkpointing.save(tc.out_dir, step, model, opt,
+                                          {"step": step, "samples": samples, "world_size": world}, device)
+                if rank == 0:
+                    print(f"checkpoint: {path}", flush=True)
+                collectives.take()
+                t0 = _start_interval(device)
     return last
 
 

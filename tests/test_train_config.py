@@ -36,6 +36,7 @@ def test_unknown_recipe_lists_the_valid_ones():
     ("train.offload=gpu", "train.offload = 'gpu'; use one of 'none', 'save_on_cpu', 'dtq'"),
     ("model.kv_heads=2", "only used by kind = \"hf_llama\""),
     ("train.steps=0", "train.steps = 0 must be > 0"),
+    ("parallel.replicate=0", "parallel.replicate = 0 must be > 0"),
 ])
 def test_bad_configs_say_what_to_change(override, message):
     with pytest.raises(ValueError, match=message):
@@ -76,6 +77,8 @@ def test_tensor_parallel_config_errors():
 
     with pytest.raises(ValueError, match="model.heads = 4 must be divisible by parallel.tp = 3"):
         parallel.apply_tensor_parallel(None, _Mesh(), cfg)
+    with pytest.raises(ValueError, match=r"parallel.tp \* parallel.replicate = 2 \* 3 must divide the world size 4"):
+        parallel.make_mesh(torch.device("cpu"), 4, 2, 3)  # raises before any process group is needed
 
 
 def _decoder(*overrides):
@@ -203,3 +206,18 @@ def test_the_300m_config_fits_every_recipe_on_4_ranks():
     assert 300e6 < n < 320e6
     for name in ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4", "hybrid"):
         preflight.check_shapes(model, build_recipe(name), cfg.train.batch_size * cfg.model.seq_len, 4)
+
+
+def test_the_1b_config_fits_every_recipe_in_each_8_gpu_layout():
+    """FSDP2 over 8, HSDP 2 x 4 (shards over 4) and FSDP2 4 x TP 2 (column-parallel weights split
+    over 8, row-parallel ones halve K): every recipe's blocks fit every shard."""
+    cfg = config.load("launch/configs/llama1b.toml")
+    with torch.device("meta"):
+        model = Decoder(cfg.model)
+    n = sum(p.numel() for p in model.parameters())
+    assert 1.0e9 < n < 1.1e9
+    for name in ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4", "hybrid"):
+        for shards in (8, 4):
+            preflight.check_shapes(model, build_recipe(name), cfg.train.batch_size * cfg.model.seq_len, shards)
+    assert (cfg.model.hidden // 2) % 128 == 0 and (cfg.model.ffn_hidden // 2) % 128 == 0
+    assert cfg.model.heads % 2 == 0 and cfg.model.seq_len % 2 == 0
