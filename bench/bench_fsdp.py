@@ -8,20 +8,21 @@ Llama-style model (attention + SwiGLU blocks, AdamW) per parameter mode, in one 
 * ``dtq hybrid (quantized params)``: MXFP8 rowwise / NVFP4 columnwise parameters;
 * ``torchao float8``: tensorwise float8 with FP8 all-gather and precomputed scales.
 
-    torchrun --nproc-per-node 4 bench/bench_fsdp.py --out bench/results_fsdp_4gpu.json
+    torchrun --nproc-per-node 4 bench/bench_fsdp.py --out bench/results_fsdp_h200x4.json
 
-Bytes are counted at the collectives (every ``all_gather_into_tensor`` output and
-``reduce_scatter_tensor`` input FSDP2 issues, per rank), so every mode is measured the same way.
+Bytes are counted at the collectives (every all-gather output and reduce-scatter input FSDP2
+issues, per rank: ``launch.metrics.CollectiveBytes``), so every mode is measured the same way.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
+import pathlib
 import statistics
 import subprocess
+import sys
 import time
 
 import torch
@@ -31,19 +32,8 @@ from torch.distributed.fsdp import fully_shard
 
 import dtq
 
-_BYTES: collections.Counter = collections.Counter()
-
-
-def _count(name: str, fn, which: int):
-    def wrapped(*args, **kwargs):
-        t = args[which] if len(args) > which else kwargs["output_tensor" if which == 0 else "input"]
-        _BYTES[name] += t.numel() * t.element_size()
-        return fn(*args, **kwargs)
-    return wrapped
-
-
-dist.all_gather_into_tensor = _count("all_gather", dist.all_gather_into_tensor, 0)
-dist.reduce_scatter_tensor = _count("reduce_scatter", dist.reduce_scatter_tensor, 1)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repo root: launch/
+from launch.metrics import CollectiveBytes  # noqa: E402  (counts bytes at torch.distributed's collectives)
 
 
 class Block(torch.nn.Module):
@@ -117,46 +107,47 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     results = []
-    for mode in args.modes.split(","):
-        try:
-            model, recipe, opt = build(args, mode)
-        except ImportError as e:
+    with CollectiveBytes() as counter:  # for the whole run: every mode is counted alike
+        for mode in args.modes.split(","):
+            try:
+                model, recipe, opt = build(args, mode)
+            except ImportError as e:
+                if rank == 0:
+                    print(f"{mode}: skipped ({e})")
+                continue
+            n_params = sum(p.numel() for p in model.parameters())
+            x = torch.randn(args.batch, args.seq, args.hidden, device="cuda", dtype=torch.bfloat16)
+            times = []
+            torch.cuda.reset_peak_memory_stats()
+            for step in range(args.steps):
+                if step == args.steps // 2:  # steady state: count the second half only
+                    counter.take()
+                    dtq.parallel.comm_stats(reset=True)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                with dtq.autocast(recipe, enabled=recipe is not None):
+                    loss = model(x).float().square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                after_step(model, mode)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            counted, moved = args.steps - args.steps // 2, counter.take()
+            step_s = statistics.median(times[args.steps // 2:])
+            row = {"mode": mode, "world": world, "params": n_params, "step_ms": step_s * 1e3,
+                   "tokens_per_s": world * args.batch * args.seq / step_s,
+                   "all_gather_mb_per_step": moved.get("all_gathered", 0) / counted / 1e6,
+                   "reduce_scatter_mb_per_step": moved.get("reduce_scattered", 0) / counted / 1e6,
+                   "dtq_comm_stats_mb_per_step": {k: v / counted / 1e6 for k, v in dtq.parallel.comm_stats().items()},
+                   "peak_mem_mib": torch.cuda.max_memory_allocated() / 2**20}
+            results.append(row)
             if rank == 0:
-                print(f"{mode}: skipped ({e})")
-            continue
-        n_params = sum(p.numel() for p in model.parameters())
-        x = torch.randn(args.batch, args.seq, args.hidden, device="cuda", dtype=torch.bfloat16)
-        times = []
-        torch.cuda.reset_peak_memory_stats()
-        for step in range(args.steps):
-            if step == args.steps // 2:  # steady state: count the second half only
-                _BYTES.clear()
-                dtq.parallel.comm_stats(reset=True)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            with dtq.autocast(recipe, enabled=recipe is not None):
-                loss = model(x).float().square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            after_step(model, mode)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        counted = args.steps - args.steps // 2
-        step_s = statistics.median(times[args.steps // 2:])
-        row = {"mode": mode, "world": world, "params": n_params, "step_ms": step_s * 1e3,
-               "tokens_per_s": world * args.batch * args.seq / step_s,
-               "all_gather_mb_per_step": _BYTES["all_gather"] / counted / 1e6,
-               "reduce_scatter_mb_per_step": _BYTES["reduce_scatter"] / counted / 1e6,
-               "dtq_comm_stats_mb_per_step": {k: v / counted / 1e6 for k, v in dtq.parallel.comm_stats().items()},
-               "peak_mem_mib": torch.cuda.max_memory_allocated() / 2**20}
-        results.append(row)
-        if rank == 0:
-            print(f"{mode:32s} {row['step_ms']:8.1f} ms/step  {row['tokens_per_s']:10,.0f} tok/s  "
-                  f"AG {row['all_gather_mb_per_step']:8.1f} MB  RS {row['reduce_scatter_mb_per_step']:8.1f} MB  "
-                  f"peak {row['peak_mem_mib']:7.0f} MiB", flush=True)
-        del model, opt
-        torch.cuda.empty_cache()
+                print(f"{mode:32s} {row['step_ms']:8.1f} ms/step  {row['tokens_per_s']:10,.0f} tok/s  "
+                      f"AG {row['all_gather_mb_per_step']:8.1f} MB  RS {row['reduce_scatter_mb_per_step']:8.1f} MB  "
+                      f"peak {row['peak_mem_mib']:7.0f} MiB", flush=True)
+            del model, opt
+            torch.cuda.empty_cache()
     if rank == 0 and results:
         base = results[0]
         for r in results:

@@ -165,7 +165,7 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto") 
     collectives = metrics.CollectiveBytes()
     with collectives:
         dtq.parallel.comm_stats(reset=True)
-        loss_sum, interval_steps, t0 = torch.zeros((), device=device), 0, time.perf_counter()
+        loss_sum, interval_steps, t0 = torch.zeros((), device=device), 0, _start_interval(device)
         last = {"loss": float("nan"), "val_loss": float("nan")}
         b = tc.batch_size
         while step < tc.steps:

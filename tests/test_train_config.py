@@ -221,3 +221,21 @@ def test_the_1b_config_fits_every_recipe_in_each_8_gpu_layout():
             preflight.check_shapes(model, build_recipe(name), cfg.train.batch_size * cfg.model.seq_len, shards)
     assert (cfg.model.hidden // 2) % 128 == 0 and (cfg.model.ffn_hidden // 2) % 128 == 0
     assert cfg.model.heads % 2 == 0 and cfg.model.seq_len % 2 == 0
+
+
+def test_progress_line_shows_collectives_step_time_and_peak_memory():
+    rec = {"step": 20, "loss": 3.0, "lr": 1e-3, "tokens_per_s": 1234.0, "step_s": 0.095,
+           "gathered_bytes": {"fp8/rowwise": 2_000_000}, "collective_bytes": {"reduce_scattered": 4_000_000},
+           "peak_memory_bytes": 3 * 2 ** 30}
+    line = metrics.progress_line(rec, 40)
+    assert line.endswith("gathered 2.00 MB (fp8/rowwise 2.00 MB) | reduce-scattered 4.00 MB | 95 ms/step | peak 3.0 GiB")
+    assert "peak" not in metrics.progress_line({**rec, "peak_memory_bytes": None}, 40)  # CPU
+
+
+def test_collective_counter_restores_torch_distributed_on_exit():
+    import torch.distributed as dist
+
+    before = {name: getattr(dist, name) for name in metrics.CollectiveBytes._WRAPPED if hasattr(dist, name)}
+    with metrics.CollectiveBytes() as counter:
+        assert all(getattr(dist, name) is not fn for name, fn in before.items())
+    assert all(getattr(dist, name) is fn for name, fn in before.items()) and counter.take() == {}
