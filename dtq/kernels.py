@@ -29,7 +29,9 @@ NONE, FP8_SCALED, MXFP8, NVFP4, IDENTITY = 0, 1, 2, 3, 4
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 INPUT_DTYPES = tuple(_DTYPE_CODE)
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
+# The repository's csrc/ (a checkout or an editable install), else the copy a wheel carries.
+CSRC = next((d for d in (Path(__file__).resolve().parent.parent / "csrc", Path(__file__).resolve().parent / "_csrc")
+             if d.is_dir()), Path(__file__).resolve().parent / "_csrc")
 SOURCES = ("bindings.cpp", "quantize.cu", "quantize_fast_bf16.cu", "quantize_fast_f16.cu", "quantize_fast_f32.cu", "amax.cu",
            "dequantize.cu", "transpose.cu")
 # fp32 arithmetic must stay exactly the references': no FMA contraction, no fast math.
@@ -93,7 +95,8 @@ def _load(verbose: bool = False):
 
     missing = [s for s in SOURCES if not (CSRC / s).is_file()]
     if missing:
-        raise RuntimeError(f"CUDA sources not found in {CSRC} (missing {missing}); dtq was installed without csrc/")
+        raise RuntimeError(f"CUDA sources not found in {CSRC} (missing {missing}): reinstall dtq from a "
+                           "checkout or a wheel built by its setup.py, which copies csrc/ into dtq/_csrc")
     d = build_dir()
     d.mkdir(parents=True, exist_ok=True)
     return load(name="dtq_kernels", sources=[str(CSRC / s) for s in SOURCES], extra_cflags=["-O3", "-std=c++17"],

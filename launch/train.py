@@ -223,7 +223,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     cfg = load_config(args)
     try:
-        return train(cfg, resume=args.resume, launcher=args.launcher)
+        result = train(cfg, resume=args.resume, launcher=args.launcher)
+        # Every rank past its last collective before any tears its process groups down: a gloo
+        # rank that exits while a peer's work is still in flight can abort at interpreter exit.
+        dist.barrier()
+        return result
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
