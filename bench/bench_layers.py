@@ -1,11 +1,11 @@
 """Layer benchmark: Llama-3-8B-shaped Linear and SwiGLU MLP, forward + backward, BF16 vs every dtq
-recipe, two hybrids, and torchao float8 (tensorwise, eager and torch.compile'd), in one run.
+recipe, two hybrids, and torchao float8 (tensorwise and rowwise, eager and torch.compile'd), in one run.
 
     python bench/bench_layers.py --out bench/results_layers.json
     python bench/bench_layers.py --smoke        # tiny shapes, any device: checks the script runs
 
-It first measures the device's ceilings (BF16 GEMM, FP8 per-tensor and 1x128 x 128x128 blockwise
-scaled GEMMs at 8192^3, copy bandwidth), then times each layer (CUDA events around --inner
+It first measures the device's ceilings (BF16 GEMM, FP8 per-tensor, row-wise and 1x128 x 128x128
+blockwise scaled GEMMs at 8192^3, copy bandwidth), then times each layer (CUDA events around --inner
 back-to-back steps, median of --iters samples after warm-up) and prints speed-ups over BF16 and
 the fraction of the BF16 GEMM ceiling reached (model FLOPs: 6 * tokens * params, fwd + bwd).
 """
@@ -46,6 +46,7 @@ def recipes() -> dict:
         "fp8": dtq.Float8CurrentScaling(),
         "fp8-delayed": dtq.DelayedScaling(),
         "fp8-block": dtq.Float8BlockScaling(),
+        "fp8-row": dtq.Float8RowwiseScaling(),
         "mxfp8": dtq.MXFP8BlockScaling(),
         "nvfp4": dtq.NVFP4BlockScaling(),
         "hybrid mxfp8/nvfp4": dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling()),
@@ -91,6 +92,11 @@ def ceilings(device: torch.device, n: int, iters: int) -> dict:
         one = torch.ones((), device=device)
         out["fp8_tensorwise_tflops"] = 2 * n**3 / timer(
             lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), iters, 3, device) / 1e9
+        rows, cols = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
+        if torch.cuda.get_device_capability(device)[0] == 9:
+            out["fp8_rowwise_tflops"] = 2 * n**3 / timer(
+                lambda: torch._scaled_mm(a8, b8, scale_a=rows, scale_b=cols, out_dtype=torch.bfloat16), iters, 3,
+                device) / 1e9
         if torch.cuda.get_device_capability(device)[0] == 9 and hasattr(F, "scaled_mm"):
             sa = torch.ones(n // 128, n, device=device).t()  # [n, n/128] column-major
             sb = torch.ones(n // 128, n // 128, device=device).t().contiguous().t()
@@ -111,15 +117,19 @@ def step_fn(model, x, recipe):
 
 
 def torchao_models(model):
-    """torchao float8 (tensorwise dynamic scaling), eager and compiled; {} without torchao/CUDA."""
+    """torchao float8, tensorwise and rowwise dynamic scaling, eager and compiled; {} without
+    torchao/CUDA."""
     try:
-        from torchao.float8 import convert_to_float8_training
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as e:
         print(f"torchao not importable ({e}); skipping the torchao rows")
         return {}
-    eager = convert_to_float8_training(copy.deepcopy(model))
-    compiled = torch.compile(convert_to_float8_training(copy.deepcopy(model)))
-    return {"torchao float8": eager, "torchao float8 compiled": compiled}
+    out = {}
+    for label, config in (("", None), (" rowwise", Float8LinearConfig.from_recipe_name("rowwise"))):
+        out[f"torchao float8{label}"] = convert_to_float8_training(copy.deepcopy(model), config=config)
+        out[f"torchao float8{label} compiled"] = torch.compile(
+            convert_to_float8_training(copy.deepcopy(model), config=config))
+    return out
 
 
 def main() -> None:

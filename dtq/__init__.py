@@ -2,10 +2,10 @@
 
 import torch
 
-from dtq.formats import (COLUMNWISE, DIRECTIONS, ROWWISE, Float8BlockQuantizer, Float8Quantizer,
+from dtq.formats import (COLUMNWISE, DIRECTIONS, ROWWISE, Float8BlockQuantizer, Float8Quantizer, Float8RowwiseQuantizer,
                          HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer)
 from dtq.tensor import QuantizedTensor, quantized_safe_globals
-from dtq.recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+from dtq.recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling,
                         HybridRecipe, MXFP8BlockScaling, NVFP4BlockScaling, QuantizerRole, Recipe,
                         hybrid_recipe)
 from dtq.autocast import autocast
@@ -19,8 +19,8 @@ __version__ = "0.1.0"
 torch.serialization.add_safe_globals(quantized_safe_globals())
 
 __all__ = [
-    "Quantizer", "Float8Quantizer", "Float8BlockQuantizer", "MXFP8Quantizer", "NVFP4Quantizer",
+    "Quantizer", "Float8Quantizer", "Float8BlockQuantizer", "Float8RowwiseQuantizer", "MXFP8Quantizer", "NVFP4Quantizer",
     "IdentityQuantizer", "HybridQuantizer", "QuantizedTensor", "ROWWISE", "COLUMNWISE", "DIRECTIONS",
-    "QuantizerRole", "Recipe", "CustomRecipe", "Float8CurrentScaling", "DelayedScaling", "Float8BlockScaling",
+    "QuantizerRole", "Recipe", "CustomRecipe", "Float8CurrentScaling", "DelayedScaling", "Float8BlockScaling", "Float8RowwiseScaling",
     "MXFP8BlockScaling", "NVFP4BlockScaling", "HybridRecipe", "hybrid_recipe", "autocast", "nn", "convert", "parallel", "testing", "optim", "checkpoint",
 ]

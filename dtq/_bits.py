@@ -38,7 +38,8 @@ def cast_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     fmax = FP8_MAX[dtype]
     q = x.clamp(-fmax, fmax).to(dtype)
     nan = torch.isnan(x)
-    if bool(nan.any()):
+    # On a GPU the fix-up always runs: asking whether it is needed would stall the host.
+    if x.is_cuda or bool(nan.any()):
         q = torch.where(nan, torch.full_like(q.view(torch.uint8), FP8_NAN_CODE), q.view(torch.uint8)).view(dtype)
     return q
 

@@ -29,26 +29,30 @@ def quantize_module_weights(module: QuantizedModule, recipe: Recipe, memo: dict 
         if q is None:
             continue
         with torch.no_grad():
-            qw = _quantize_weight(q, w, columnwise=recipe.backward_override is None)
+            qw = _quantize_weight(q, w, columnwise=recipe.backward_override is None,
+                                  name=f"{module.name or type(module).__name__}.{pname}")
         memo[id(w)] = torch.nn.Parameter(qw, requires_grad=w.requires_grad)
         setattr(module, pname, memo[id(w)])
 
 
-def _quantize_weight(q, w: torch.Tensor, columnwise: bool) -> torch.Tensor:
-    """Quantize a weight; a tensor-parallel (DTensor) weight shard by shard, with its tensor-wide
-    amaxes reduced over the mesh so that every shard is the slice of the whole tensor's quantization."""
+def _quantize_weight(q, w: torch.Tensor, columnwise: bool, name: str) -> torch.Tensor:
+    """Quantize a weight; a tensor-parallel (DTensor) weight shard by shard, with its amaxes
+    reduced over the mesh so that every shard is the slice of the whole tensor's quantization."""
     if not hasattr(w, "device_mesh"):
         return q.quantize(w, rowwise=True, columnwise=columnwise)
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
 
+    from dtq.parallel.amax import check_column_shards, sharded_dims
     from dtq.parallel.tp import reduce_amax
 
+    check_column_shards(q, w, name)
     local = w._local_tensor
     local = local.__dtq_unwrap__() if hasattr(local, "__dtq_unwrap__") else local
     amax = q.local_amax(local, rowwise=True, columnwise=columnwise)
-    for dim, placement in enumerate(w.placements):
-        if isinstance(placement, Shard) and amax:
-            amax = reduce_amax(q, local, w.device_mesh.get_group(dim), rowwise=True, columnwise=columnwise, amax=amax)
+    for mesh_dim, dim in sharded_dims(w):
+        if amax:
+            amax = reduce_amax(q, local, w.device_mesh.get_group(mesh_dim), rowwise=True, columnwise=columnwise,
+                               amax=amax, dim=dim)
     qt = q.quantize(local, rowwise=True, columnwise=columnwise, amax=amax or None)
     return DTensor.from_local(qt, w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride())
 

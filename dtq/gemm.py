@@ -6,6 +6,8 @@ has one for that pairing; everything else is emulated: dequantize (per-tensor fa
 multiply with fp32 accumulation, factors applied after. Any pairing therefore works. On CUDA,
 operands whose values bf16 holds exactly (MXFP8, NVFP4, FP8 with power-of-two block scales, BF16)
 are multiplied on BF16 tensor cores (fp32 accumulation and output); others in fp32 with TF32 off.
+Native paths on Hopper: FP8 per-tensor, row-wise (one scale per row of op(A) / column of op(B))
+and 1x128 / 128x128 blockwise, through torch's scaled GEMMs.
 Operands that share NVFP4's random-Hadamard rotation along the contraction dim (wgrad) are
 multiplied rotated, since ``(T a)^T (T b) = a^T b``.
 """
@@ -199,6 +201,48 @@ def _fp8_tensorwise(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Ten
                             scale_b=b.payload["scale_inv"].reshape(()).float(), out_dtype=out_dtype)
 
 
+def _row_scales(op: Operand, is_b: bool) -> bool:
+    """The operand has one FP8 scale per row of op(A) / column of op(B), constant along the
+    contraction (row-wise scaling): FP8 row-scaled codes whose scales span the contraction dim,
+    or per-tensor FP8 (one scale broadcast)."""
+    if op.format == "fp8":
+        return True
+    # fp8_row's rowwise scales span the stored K (dim 1), its columnwise scales the stored M (dim 0)
+    spans = 1 if op.direction == "rowwise" else 0
+    return op.format == "fp8_row" and spans == _contraction_dim(op, is_b)
+
+
+@functools.lru_cache(maxsize=None)
+def _rowwise_out_dtypes() -> tuple[torch.dtype, ...]:
+    """Outputs of torch's row-wise scaled GEMM: BF16 (its CUTLASS kernel); also fp32 where it runs
+    through cuBLAS (CUDA 12.9 and later)."""
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    return (torch.bfloat16, torch.float32) if cuda >= (12, 9) else (torch.bfloat16,)
+
+
+def _fp8_rowwise_ok(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
+    # Hopper, E4M3 operands; everything else (E5M2 gradients, other outputs) is emulated.
+    if "fp8_row" not in (a.format, b.format) or not _row_scales(a, False) or not _row_scales(b, True):
+        return False
+    if not _sm_at_least(a.tensor, 9) or kernels.capability(a.tensor.device)[0] != 9:
+        return False
+    if out_dtype not in _rowwise_out_dtypes():
+        return False
+    if a.quantizer.dtype != torch.float8_e4m3fn or b.quantizer.dtype != torch.float8_e4m3fn:
+        return False
+    (m, k), (_, n) = a.logical_shape(), b.logical_shape()
+    return m % 16 == 0 and k % 16 == 0 and n % 16 == 0
+
+
+def _fp8_rowwise(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    # scale_a [m, 1], scale_b [1, n], fp32: a stored fp8_row scale holds one value per
+    # non-contraction index already (in either orientation); a per-tensor scale is broadcast.
+    (m, _), (_, n) = a.logical_shape(), b.logical_shape()
+    sa = a.payload["scale_inv"].float().reshape(-1, 1).expand(m, 1).contiguous()
+    sb = b.payload["scale_inv"].float().reshape(1, -1).expand(1, n).contiguous()
+    return torch._scaled_mm(_row_major(a), _col_major(b), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+
+
 def _contraction_dim(op: Operand, is_b: bool) -> int:
     """Which dim of the stored [M, K] payload is this operand's contraction dim."""
     logical = 0 if is_b else 1
@@ -262,6 +306,7 @@ def _fp8_blockwise(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tens
 PATHS: list[GemmPath] = [
     GemmPath("fp8_tensorwise_scaled_mm", _fp8_tensorwise_ok, _fp8_tensorwise),
     GemmPath("fp8_blockwise_scaled_mm", _fp8_blockwise_ok, _fp8_blockwise),
+    GemmPath("fp8_rowwise_scaled_mm", _fp8_rowwise_ok, _fp8_rowwise),
     GemmPath("emulated_bf16", _bf16_exact_ok, _emulated_bf16),
     GemmPath("emulated", lambda a, b, o: True, _emulated),
 ]

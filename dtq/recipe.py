@@ -12,8 +12,9 @@ from typing import Callable, ClassVar
 
 import torch
 
-from dtq.formats import (Float8BlockQuantizer, Float8Quantizer, HybridQuantizer, IdentityQuantizer,
-                         MXFP8Quantizer, NVFP4Quantizer, Quantizer, codec_for)
+from dtq.formats import (Float8BlockQuantizer, Float8Quantizer, Float8RowwiseQuantizer, HybridQuantizer,
+                         IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer, codec_for)
+from dtq.formats.base import quantizer_names
 
 BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
 TENSOR_TYPES = ("input", "weight", "grad_output")
@@ -61,8 +62,8 @@ class Recipe:
                 ok = False
         if q is not None and not ok:
             raise TypeError(f"{type(self).__name__}: the quantizer factory returned {type(q).__name__} for {role}; "
-                            "it must return a dtq quantizer (Float8Quantizer, Float8BlockQuantizer, MXFP8Quantizer, "
-                            "NVFP4Quantizer, IdentityQuantizer, HybridQuantizer) or None for high precision")
+                            f"it must return a dtq quantizer ({quantizer_names()}, HybridQuantizer) or None for high "
+                            "precision")
         return q
 
 
@@ -144,6 +145,23 @@ class Float8BlockScaling(Recipe):
         if role.tensor_type == "weight":
             return Float8BlockQuantizer((128, 128), fwd)
         return Float8BlockQuantizer((1, 128), bwd if role.tensor_type == "grad_output" else fwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8RowwiseScaling(Recipe):
+    """FP8 with one scale per row of each GEMM's contraction (torchao's "rowwise" recipe): finer
+    than one scale per tensor, and still a native FP8 GEMM on Hopper. E4M3 everywhere by default."""
+
+    fp8_format: str = "E4M3"
+    pow2_scales: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        _fp8_dtypes(self.fp8_format, type(self).__name__)
+
+    def qfactory(self, role):
+        fwd, bwd = _fp8_dtypes(self.fp8_format)
+        return Float8RowwiseQuantizer(bwd if role.tensor_type == "grad_output" else fwd, pow2_scales=self.pow2_scales)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ RECIPES: dict[str, Callable[[], dtq.Recipe | None]] = {
     "fp8": dtq.Float8CurrentScaling,  # per-tensor current scaling, E4M3 forward / E5M2 gradients
     "fp8-delayed": dtq.DelayedScaling,  # per-tensor scales from each module's amax history
     "fp8-block": dtq.Float8BlockScaling,  # 1x128 activations and gradients, 128x128 weights
+    "fp8-row": dtq.Float8RowwiseScaling,  # one E4M3 scale per row of each GEMM's contraction
     "mxfp8": dtq.MXFP8BlockScaling,
     "nvfp4": dtq.NVFP4BlockScaling,
     # MXFP8 for the forward GEMM, NVFP4 (16x16 weights, stochastic rounding on gradients, random

@@ -20,6 +20,8 @@ SEED = 1234  # stochastic-rounding seed passed to every quantize() call in the t
 QUANTIZERS = [
     ("fp8_e4m3", dtq.Float8Quantizer()),
     ("fp8_e5m2_pow2", dtq.Float8Quantizer(torch.float8_e5m2, pow2_scales=True)),
+    ("fp8row_e4m3", dtq.Float8RowwiseQuantizer()),
+    ("fp8row_e5m2_pow2", dtq.Float8RowwiseQuantizer(torch.float8_e5m2, pow2_scales=True)),
     ("fp8block_1x128", dtq.Float8BlockQuantizer((1, 128))),
     ("fp8block_128x128", dtq.Float8BlockQuantizer((128, 128))),
     ("mxfp8_ceil", dtq.MXFP8Quantizer()),
@@ -31,6 +33,7 @@ QUANTIZERS = [
     ("identity", dtq.IdentityQuantizer()),
     ("identity_bf16", dtq.IdentityQuantizer(torch.bfloat16)),
     ("hybrid_mxfp8_nvfp4", dtq.HybridQuantizer(rowwise=dtq.MXFP8Quantizer(), columnwise=dtq.NVFP4Quantizer())),
+    ("hybrid_fp8row_mxfp8", dtq.HybridQuantizer(rowwise=dtq.Float8RowwiseQuantizer(), columnwise=dtq.MXFP8Quantizer())),
     ("hybrid_fp8block_identity",
      dtq.HybridQuantizer(rowwise=dtq.Float8BlockQuantizer(), columnwise=dtq.IdentityQuantizer())),
 ]
@@ -115,12 +118,15 @@ def storage_ptr(t: torch.Tensor) -> int:
 
 def rows_per_payload_row(q, direction: str, field: str):
     """How many logical rows of the [M, K] view one row of payload ``field`` covers (None: 0-dim
-    per-tensor value shared by every slice). Written from the format docstrings."""
+    per-tensor value, or one row of per-column values, shared by every slice). Written from the
+    format docstrings."""
     s = sub(q, direction)
     if field == "data":
         return 1
     if isinstance(s, dtq.Float8Quantizer):
         return None  # scale_inv 0-dim
+    if isinstance(s, dtq.Float8RowwiseQuantizer):
+        return 1 if direction == "rowwise" else None  # [M, 1] per row; [1, K] per column, shared by all rows
     if isinstance(s, dtq.Float8BlockQuantizer):
         return 1 if (s.block == (1, 128) and direction == "rowwise") else 128
     if isinstance(s, dtq.MXFP8Quantizer):
@@ -184,8 +190,8 @@ def element_scale(q, direction, payload, shape2):
     """Per-element dequantization multiplier (x-space value of one unit of the element code) for
     the block-scaled formats, from the documented payload layout."""
     s = sub(q, direction)
-    if isinstance(s, dtq.Float8Quantizer):
-        return payload["scale_inv"].float().expand(shape2)
+    if isinstance(s, (dtq.Float8Quantizer, dtq.Float8RowwiseQuantizer)):
+        return payload["scale_inv"].float().expand(shape2)  # 0-dim, [M, 1] or [1, K]
     if isinstance(s, dtq.Float8BlockQuantizer):
         return expand(payload["scale_inv"].float(), tile_of(s, direction), shape2)
     if isinstance(s, dtq.MXFP8Quantizer):

@@ -19,7 +19,9 @@ from dtq.testing import spawn
 H, F, T = 128, 256, 32
 
 
-def _recipe():
+def _recipe(name: str = "hybrid"):
+    if name == "fp8_row":  # per-column scales: a [1, K] field every dim-0 shard shares
+        return dtq.Float8RowwiseScaling()
     return dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling())
 
 
@@ -137,9 +139,9 @@ def _shard(m, world):
     return m
 
 
-def _save_sharded(rank, world, path, quantized_params):
-    m = _shard(_model(0, quantized_params), world)
-    with dtq.autocast(_recipe()):
+def _save_sharded(rank, world, path, quantized_params, recipe="hybrid"):
+    m = _shard(_model(0, quantized_params, _recipe(recipe)), world)
+    with dtq.autocast(_recipe(recipe)):
         m(torch.randn(T, H, device=_dev())).sum().backward()  # a gathered, used model saves the same
     _save(m.state_dict(), path, asynchronous=quantized_params)
 
@@ -156,12 +158,12 @@ def _save(state, path, asynchronous: bool) -> None:
     dist.destroy_process_group(group)
 
 
-def _load_sharded(rank, world, path, quantized_params):
-    m = _shard(_model(1, quantized_params), world)
+def _load_sharded(rank, world, path, quantized_params, recipe="hybrid"):
+    m = _shard(_model(1, quantized_params, _recipe(recipe)), world)
     sd = m.state_dict()
     dcp.load(sd, checkpoint_id=path)
     m.load_state_dict(sd)
-    ref = _model(0, quantized_params)
+    ref = _model(0, quantized_params, _recipe(recipe))
     from torch.distributed.tensor import DTensor
     for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
         loc = p._local_tensor if isinstance(p, DTensor) else p
@@ -178,16 +180,16 @@ def _load_sharded(rank, world, path, quantized_params):
             assert torch.equal(full, q.detach()), n
 
 
-@pytest.mark.parametrize("quantized_params", [False, True])
-def test_resharded_loads_4_to_2_to_1(tmp_path, quantized_params):
+@pytest.mark.parametrize("quantized_params,recipe", [(False, "hybrid"), (True, "hybrid"), (True, "fp8_row")])
+def test_resharded_loads_4_to_2_to_1(tmp_path, quantized_params, recipe):
     path = str(tmp_path / "ckpt")
-    spawn(_save_sharded, 4, path, quantized_params)
-    spawn(_load_sharded, 2, path, quantized_params)
-    one = _model(1, quantized_params)
+    spawn(_save_sharded, 4, path, quantized_params, recipe)
+    spawn(_load_sharded, 2, path, quantized_params, recipe)
+    one = _model(1, quantized_params, _recipe(recipe))
     sd = one.state_dict()
     dcp.load(sd, checkpoint_id=path)
     one.load_state_dict(sd)
-    _same_weights(one, _model(0, quantized_params))
+    _same_weights(one, _model(0, quantized_params, _recipe(recipe)))
 
 
 def _train_resume(rank, world, path):

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 QUANTIZERS = [
     dtq.Float8Quantizer(), dtq.Float8Quantizer(torch.float8_e5m2, pow2_scales=True),
+    dtq.Float8RowwiseQuantizer(), dtq.Float8RowwiseQuantizer(torch.float8_e5m2, pow2_scales=True),
     dtq.Float8BlockQuantizer(), dtq.Float8BlockQuantizer((128, 128)),
     dtq.MXFP8Quantizer(), dtq.MXFP8Quantizer(torch.float8_e5m2, scale_rounding="floor"),
     dtq.NVFP4Quantizer(), dtq.NVFP4Quantizer((16, 16)),

@@ -184,10 +184,10 @@ def _fro_bound(s, direction) -> float:
     if isinstance(s, dtq.IdentityQuantizer):
         # None: exact passthrough. bf16: RNE to 8 significant bits -> |err| <= 2^-8 |x| per element.
         return 0.0 if s.dtype is None else 2.0**-8
-    if isinstance(s, (dtq.Float8Quantizer, dtq.Float8BlockQuantizer, dtq.MXFP8Quantizer)):
+    if isinstance(s, (dtq.Float8Quantizer, dtq.Float8RowwiseQuantizer, dtq.Float8BlockQuantizer, dtq.MXFP8Quantizer)):
         # RNE to m mantissa bits: |err| <= half ulp = 2^-(m+1) * 2^floor(log2|v|) <= 2^-(m+1) |v|.
         # E4M3 m=3 -> 2^-4 = 0.0625, E5M2 m=2 -> 2^-3 = 0.125. Per-element relative bounds carry to
-        # the Frobenius norm. No saturation: per-tensor scale maps amax to fp8_max; pow2 scales and
+        # the Frobenius norm. No saturation: a per-tensor (or per-row) scale maps amax to fp8_max; pow2 scales and
         # MXFP8 "ceil" round the scale so amax lands at or below fp8_max. Subnormal codes (|v| <
         # 2^-6 for E4M3) add an absolute half-step of 2^-10 * scale_inv, negligible here (gaussian
         # data: those elements hold < 1e-6 of the norm).

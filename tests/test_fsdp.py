@@ -21,6 +21,7 @@ def _recipes():
     return {
         "fp8": dtq.Float8CurrentScaling(),
         "fp8_block": dtq.Float8BlockScaling(),
+        "fp8_row": dtq.Float8RowwiseScaling(),
         "mxfp8": dtq.MXFP8BlockScaling(),
         "nvfp4": dtq.NVFP4BlockScaling(),
         "hybrid_mxfp8_nvfp4": dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling()),

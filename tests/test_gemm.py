@@ -101,6 +101,44 @@ def test_fp8_blockwise_native_path_agrees_with_emulation(shape, w_block):
         assert _rel(native, dtq.gemm._emulated(a, b, torch.float32)) < 5e-4
 
 
+@hopper
+@pytest.mark.parametrize("shape", [(256, 512, 384), (128, 384, 256)], ids=str)
+@pytest.mark.parametrize("weight", ["rowwise_scaled", "per_tensor"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_fp8_rowwise_native_path_agrees_with_emulation(shape, weight, out_dtype):
+    m, k, n = shape
+    a_q = dtq.Float8RowwiseQuantizer()
+    w_q = dtq.Float8RowwiseQuantizer() if weight == "rowwise_scaled" else dtq.Float8Quantizer()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    # rows and columns over 4 decades: a per-tensor scale would flush the small ones to subnormals
+    x = torch.randn(m, k, device="cuda", generator=g) * torch.logspace(-2, 2, m, device="cuda")[:, None]
+    x = x * torch.logspace(-2, 2, k, device="cuda")
+    w, dy = torch.randn(n, k, device="cuda", generator=g), torch.randn(m, n, device="cuda", generator=g)
+    xq, wq, gq = a_q.quantize(x), w_q.quantize(w), a_q.quantize(dy)
+    cases = [(Operand(xq), Operand(wq, transpose=True)), (Operand(gq), Operand(wq, "columnwise")),
+             (Operand(gq, "columnwise", transpose=True), Operand(xq, "columnwise"))]
+    for a, b in cases:
+        with record_paths() as paths:
+            native = mm(a, b, out_dtype)
+        if out_dtype not in dtq.gemm._rowwise_out_dtypes():
+            assert paths == ["emulated"], paths
+            continue
+        assert paths == ["fp8_rowwise_scaled_mm"], paths
+        assert native.dtype == out_dtype
+        # The scales are applied to the exact FP8 products (one per output row and column); the
+        # difference is the tensor cores' ~14-bit accumulation (see the tensorwise test), plus
+        # the bf16 output's rounding (2**-9).
+        tol = 5e-4 if out_dtype == torch.float32 else 4e-3
+        assert _rel(native, dtq.gemm._emulated(a, b, torch.float32)) < tol
+    # scales along the contraction dim cannot be applied after the product: emulated
+    wrong = (Operand(xq, "columnwise"), Operand(wq if weight == "rowwise_scaled" else a_q.quantize(w), "rowwise",
+                                                 transpose=True))
+    assert not dtq.gemm._fp8_rowwise_ok(*wrong, torch.bfloat16)
+    # E5M2 gradients (fp8_format="HYBRID") are emulated
+    g5 = dtq.Float8RowwiseQuantizer(torch.float8_e5m2).quantize(dy)
+    assert not dtq.gemm._fp8_rowwise_ok(Operand(g5), Operand(wq, "columnwise"), torch.bfloat16)
+
+
 @cuda
 def test_modules_take_native_path_on_gpu():
     lin = dtq.nn.Linear(K, N).cuda()
@@ -112,6 +150,10 @@ def test_modules_take_native_path_on_gpu():
         with record_paths() as paths, dtq.autocast(dtq.Float8BlockScaling()):
             lin(torch.randn(128, 256, device="cuda", requires_grad=True)).sum().backward()
         assert paths == ["fp8_blockwise_scaled_mm"] * 3
+        lin = dtq.nn.Linear(256, 384, params_dtype=torch.bfloat16).cuda()
+        with record_paths() as paths, dtq.autocast(dtq.Float8RowwiseScaling()):
+            lin(torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)).sum().backward()
+        assert paths == ["fp8_rowwise_scaled_mm"] * 3
 
 
 @pytest.mark.parametrize("q", ALL, ids=IDS)

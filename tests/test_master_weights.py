@@ -17,6 +17,7 @@ M, K = 256, 384
 def _quantizers():
     return [
         dtq.Float8Quantizer(), dtq.Float8BlockQuantizer((128, 128)), dtq.Float8BlockQuantizer((1, 128)),
+        dtq.Float8RowwiseQuantizer(),
         dtq.MXFP8Quantizer(), dtq.NVFP4Quantizer((16, 16)), dtq.NVFP4Quantizer(), dtq.IdentityQuantizer(torch.bfloat16),
         dtq.HybridQuantizer(rowwise=dtq.MXFP8Quantizer(), columnwise=dtq.NVFP4Quantizer((16, 16))),
         dtq.HybridQuantizer(rowwise=dtq.Float8BlockQuantizer(), columnwise=dtq.IdentityQuantizer()),

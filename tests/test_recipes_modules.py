@@ -39,6 +39,7 @@ RECIPES = {
     "fp8_current": (dtq.Float8CurrentScaling, (24, 19, 19)),
     "fp8_delayed": (dtq.DelayedScaling, (24, 19, 19)),
     "fp8_block": (dtq.Float8BlockScaling, (24, 24, 24)),
+    "fp8_row": (dtq.Float8RowwiseScaling, (24, 24, 24)),
     "mxfp8": (dtq.MXFP8BlockScaling, (24, 24, 24)),
     "nvfp4": (dtq.NVFP4BlockScaling, (11, 9, 9)),
     "hybrid_mxfp8_nvfp4": (_hybrid_mx_nv, (24, 9, 9)),
@@ -238,7 +239,8 @@ def test_high_precision_override_single_gemm_random_grad():
     assert torch.equal(grads["weight"], grads_r["weight"]) and torch.equal(grads["bias"], grads_r["bias"])
 
 
-@pytest.mark.parametrize("recipe", [dtq.MXFP8BlockScaling, dtq.NVFP4BlockScaling, dtq.Float8BlockScaling])
+@pytest.mark.parametrize("recipe", [dtq.MXFP8BlockScaling, dtq.NVFP4BlockScaling, dtq.Float8BlockScaling,
+                                    dtq.Float8RowwiseScaling])
 def test_dequantized_override_matches_manual_bitwise(recipe, monkeypatch):
     r = recipe(backward_override="dequantized")
     torch.manual_seed(4)

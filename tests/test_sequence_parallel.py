@@ -26,6 +26,8 @@ def _check(rank, world):
         ("hybrid both", dtq.HybridQuantizer(rowwise=dtq.MXFP8Quantizer(), columnwise=dtq.NVFP4Quantizer()), True, True),
         ("mxfp8 both", dtq.MXFP8Quantizer(), True, True),  # 2.06 B/elem > bf16's 2: gathers bf16
         ("fp8 both", dtq.Float8Quantizer(), True, True),  # one payload serves both directions
+        ("fp8 row rowwise", dtq.Float8RowwiseQuantizer(), True, False),  # row scales: local rows
+        ("fp8 row columnwise", dtq.Float8RowwiseQuantizer(), False, True),  # column amaxes reduced first
     ]
     g = torch.Generator().manual_seed(0)
     whole = (torch.randn(world * S, K, generator=g) * 3).bfloat16().to(_dev())
@@ -47,6 +49,10 @@ def _check(rank, world):
             assert stats == {"mxfp8/rowwise": whole.numel() * 33 // 32, "nvfp4/columnwise": whole.numel() * 9 // 16}
         if name == "fp8 both":
             assert stats == {"fp8/rowwise": whole.numel()}
+        if name == "fp8 row rowwise":  # 1 code byte per element + one fp32 scale per row
+            assert stats == {"fp8_row/rowwise": whole.numel() + 4 * whole.shape[0]}
+        if name == "fp8 row columnwise":  # the [1, K] scales are reduced, not gathered
+            assert stats == {"fp8_row/columnwise": whole.numel()}
     with pytest.raises(ValueError, match="each rank holds 48 rows.*mxfp8 columnwise blocks span 32 rows"):
         dtq.parallel.gather_along_first_dim(local[:48], quantizer=dtq.MXFP8Quantizer(), columnwise=True)
 

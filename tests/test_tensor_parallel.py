@@ -263,6 +263,18 @@ def _errors(rank, world):
         parallelize_module(qlin, mesh, dtq.parallel.RowwiseParallel())
     with pytest.raises(ValueError, match=r"shape \[3, 4\] cannot be split evenly along dim 0 over 2 ranks"):
         dtq.parallel.tp.SplitToSP.apply(torch.randn(3, 4), mesh.get_group())
+    row = parallelize_module(dtq.nn.Linear(64, 48, name="proj"), mesh, dtq.parallel.RowwiseParallel())
+    with pytest.raises(ValueError, match=r"proj.weight \(shape \[48, 64\]\) is sharded along its last dim.*"
+                                         r"Float8RowwiseQuantizer \(rowwise\) has one scale per whole row"):
+        dtq.convert(row, recipe=dtq.Float8RowwiseScaling(), quantized_params=True)
+    # column-parallel shards hold whole rows: each is the slice of the whole weight's payloads
+    # (the columnwise [1, K] amaxes reduced over the TP group)
+    col = parallelize_module(dtq.nn.Linear(64, 48, name="qkv"), mesh, dtq.parallel.ColwiseParallel())
+    ref = dtq.Float8RowwiseQuantizer().quantize(_full(col.weight))[rank * 24:(rank + 1) * 24]
+    dtq.convert(col, recipe=dtq.Float8RowwiseScaling(), quantized_params=True)
+    for d in ref.directions:
+        for k, v in ref.payload(d).items():
+            assert torch.equal(col.weight._local_tensor.payload(d)[k].view(torch.uint8), v.view(torch.uint8)), (d, k)
     lin = parallelize_module(dtq.nn.Linear(64, 64), mesh, dtq.parallel.RowwiseParallel())
     with pytest.raises(ValueError, match=r"expects 32 input features \(this rank's tensor-parallel shard\)"):
         lin(torch.randn(4, 64))

@@ -204,7 +204,7 @@ def test_the_300m_config_fits_every_recipe_on_4_ranks():
         model = Decoder(cfg.model)
     n = sum(p.numel() for p in model.parameters())
     assert 300e6 < n < 320e6
-    for name in ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4", "hybrid"):
+    for name in ("bf16", "fp8", "fp8-block", "fp8-row", "mxfp8", "nvfp4", "hybrid"):
         preflight.check_shapes(model, build_recipe(name), cfg.train.batch_size * cfg.model.seq_len, 4)
 
 
@@ -216,7 +216,7 @@ def test_the_1b_config_fits_every_recipe_in_each_8_gpu_layout():
         model = Decoder(cfg.model)
     n = sum(p.numel() for p in model.parameters())
     assert 1.0e9 < n < 1.1e9
-    for name in ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4", "hybrid"):
+    for name in ("bf16", "fp8", "fp8-block", "fp8-row", "mxfp8", "nvfp4", "hybrid"):
         for shards in (8, 4):
             preflight.check_shapes(model, build_recipe(name), cfg.train.batch_size * cfg.model.seq_len, shards)
     assert (cfg.model.hidden // 2) % 128 == 0 and (cfg.model.ffn_hidden // 2) % 128 == 0

@@ -4,11 +4,12 @@ from dtq.formats.base import (COLUMNWISE, DIRECTIONS, ROWWISE, Codec, Quantizer,
                               registered_quantizers)
 from dtq.formats.float8 import Float8Quantizer
 from dtq.formats.float8_block import Float8BlockQuantizer
+from dtq.formats.float8_row import Float8RowwiseQuantizer
 from dtq.formats.hybrid import HybridQuantizer
 from dtq.formats.identity import IdentityQuantizer
 from dtq.formats.mxfp8 import MXFP8Quantizer
 from dtq.formats.nvfp4 import NVFP4Quantizer
 
 __all__ = ["ROWWISE", "COLUMNWISE", "DIRECTIONS", "Codec", "Quantizer", "codec_for", "registered_quantizers",
-           "Float8Quantizer", "Float8BlockQuantizer", "MXFP8Quantizer", "NVFP4Quantizer",
+           "Float8Quantizer", "Float8BlockQuantizer", "Float8RowwiseQuantizer", "MXFP8Quantizer", "NVFP4Quantizer",
            "IdentityQuantizer", "HybridQuantizer"]

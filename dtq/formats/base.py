@@ -52,9 +52,9 @@ class Codec:
         raise NotImplementedError
 
     @classmethod
-    def tile(cls, q, direction: str) -> tuple[int, int] | None:
-        """The (rows, cols) block sharing one scale in ``direction``; None when there are no blocks
-        (one scale per tensor, or none)."""
+    def tile(cls, q, direction: str, shape: tuple[int, int]) -> tuple[int, int] | None:
+        """The (rows, cols) block sharing one scale in ``direction`` of a [M, K] tensor; None when
+        there are no blocks (one scale per tensor, or none)."""
         return None
 
     @classmethod
@@ -63,12 +63,25 @@ class Codec:
 
     @classmethod
     def needs_amax(cls, q, direction: str) -> bool:
-        """Whether the direction depends on one tensor-wide amax (reduced across ranks when sharded)."""
+        """Whether the direction depends on an amax taken over every row (reduced across ranks when
+        the rows are sharded): one tensor-wide value, or one per column (``amax_shape``)."""
         return False
+
+    @classmethod
+    def amax_shape(cls, q, direction: str, shape: tuple[int, int]) -> tuple[int, ...]:
+        """Shape of that amax for a [M, K] tensor: ``()`` tensor-wide (reduced over shards of
+        either dim), ``(1, K)`` per column (reduced over dim-0 shards only)."""
+        return ()
 
     @classmethod
     def local_amax(cls, q, x: torch.Tensor, direction: str) -> torch.Tensor:
         return x.abs().amax().to(torch.float32) if x.numel() else torch.zeros((), device=x.device)
+
+    @classmethod
+    def column_shardable(cls, q, direction: str) -> bool:
+        """Whether a shard of the last dim (a row-parallel weight under tensor parallelism) can hold
+        this direction as the slice of the whole tensor's payload."""
+        return True
 
     @classmethod
     def uses_rng(cls, q, direction: str) -> bool:
@@ -202,6 +215,11 @@ def registered_quantizers() -> tuple[type, ...]:
     return tuple(_REGISTRY)
 
 
+def quantizer_names() -> str:
+    """The registered quantizer classes, for error messages ("Float8Quantizer, ...")."""
+    return ", ".join(c.__name__ for c in _REGISTRY)
+
+
 @dataclasses.dataclass(frozen=True)
 class Quantizer:
     """Base of every quantizer config. Subclasses are frozen dataclasses validated in ``__post_init__``."""
@@ -234,9 +252,10 @@ class Quantizer:
         return out
 
     def local_amax(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = True) -> dict[str, torch.Tensor]:
-        """The tensor-wide amax each requested direction needs, computed on this (local) tensor.
-        Reduce the values with MAX across ranks and pass them to ``quantize(amax=...)`` so that
-        shards quantize as slices of the whole."""
+        """The amax each requested direction needs (``Codec.needs_amax``: tensor-wide, or one per
+        column), computed on this (local) tensor. Reduce the values with MAX across the ranks that
+        hold other rows and pass them to ``quantize(amax=...)`` so that shards quantize as slices
+        of the whole."""
         x2 = _as_2d(x, self)
         out = {}
         for d in _wanted(rowwise, columnwise):
@@ -324,7 +343,7 @@ def quantize_payloads(q: Quantizer, x: torch.Tensor, directions: tuple[str, ...]
         if codec_for(sub).needs_amax(sub, d) and amax is not None:
             a = amax if isinstance(amax, torch.Tensor) else amax.get(d)
             if a is not None:
-                given[d] = a.to(device=xc.device, dtype=torch.float32).reshape(())
+                given[d] = _given_amax(q, sub, d, a, shape).to(device=xc.device, dtype=torch.float32)
     out = _kernel_payloads(subs, own, xc, given, seed)
     for d in own:
         if d in out:
@@ -333,10 +352,19 @@ def quantize_payloads(q: Quantizer, x: torch.Tensor, directions: tuple[str, ...]
         codec = codec_for(sub)
         a = None
         if codec.needs_amax(sub, d):
-            a = given[d] if d in given else codec.local_amax(sub, xc, d).to(device=xc.device,
-                                                                             dtype=torch.float32).reshape(())
+            a = given[d] if d in given else codec.local_amax(sub, xc, d).to(device=xc.device, dtype=torch.float32)
         out[d] = codec.quantize(sub, xc, d, a, seed if codec.uses_rng(sub, d) else None)
     return {d: dict(out[twins[d]]) if d in twins else out[d] for d in subs}
+
+
+def _given_amax(q: Quantizer, sub: Quantizer, direction: str, a: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    want = codec_for(sub).amax_shape(sub, direction, shape)
+    if a.numel() != torch.Size(want).numel():
+        raise ValueError(f"{type(q).__name__}.quantize: the {direction} amax has shape {list(a.shape)}, but a tensor "
+                         f"viewed as [M, K] = {list(shape)} needs {list(want) or 'one value (0-dim)'} for "
+                         f"{type(sub).__name__}; pass what local_amax() returns for this tensor, MAX-reduced "
+                         "over the ranks that hold its other rows")
+    return a.reshape(want)
 
 
 def _kernel_payloads(subs: dict[str, "Quantizer"], own: list[str], xc: torch.Tensor,

@@ -45,7 +45,7 @@ class Float8BlockCodec(Codec):
     name = "fp8_block"
 
     @classmethod
-    def tile(cls, q: Float8BlockQuantizer, direction: str) -> tuple[int, int] | None:
+    def tile(cls, q: Float8BlockQuantizer, direction: str, shape: tuple[int, int]) -> tuple[int, int] | None:
         return q.tile(direction)
 
     @classmethod

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dtq.formats.base import COLUMNWISE, Quantizer, check_direction, codec_for
+from dtq.formats.base import COLUMNWISE, Quantizer, check_direction, codec_for, quantizer_names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,8 +24,7 @@ class HybridQuantizer(Quantizer):
                 raise TypeError(f"HybridQuantizer: {d}= is itself a HybridQuantizer; hybrids do not nest. "
                                 f"Pass the plain quantizer of that direction, e.g. {d}={sub.for_direction(d)!r}")
             if not isinstance(sub, Quantizer):
-                raise TypeError(f"HybridQuantizer: {d}= must be a dtq quantizer (Float8Quantizer, "
-                                f"Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer, IdentityQuantizer), "
+                raise TypeError(f"HybridQuantizer: {d}= must be a dtq quantizer ({quantizer_names()}), "
                                 f"got {type(sub).__name__}")
             codec_for(sub)
         if self.rowwise is self.columnwise:

@@ -69,7 +69,7 @@ class MXFP8Codec(Codec):
     name = "mxfp8"
 
     @classmethod
-    def tile(cls, q: MXFP8Quantizer, direction: str) -> tuple[int, int] | None:
+    def tile(cls, q: MXFP8Quantizer, direction: str, shape: tuple[int, int]) -> tuple[int, int] | None:
         return _tile(direction)
 
     @classmethod

@@ -74,7 +74,7 @@ class NVFP4Codec(Codec):
     name = "nvfp4"
 
     @classmethod
-    def tile(cls, q: NVFP4Quantizer, direction: str) -> tuple[int, int] | None:
+    def tile(cls, q: NVFP4Quantizer, direction: str, shape: tuple[int, int]) -> tuple[int, int] | None:
         return q.tile(direction)
 
     @classmethod

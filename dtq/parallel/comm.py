@@ -28,7 +28,7 @@ def record_fallback(dtype, nbytes: int, where: str, why: str) -> None:
 
 def comm_stats(reset: bool = False) -> dict[str, int]:
     """``{"<format>/<direction>": bytes}`` all-gathered since the last reset (the size of the
-    gathered output on this rank), format in fp8, fp8_block, mxfp8, nvfp4, identity; high-precision
+    gathered output on this rank), format in fp8, fp8_row, fp8_block, mxfp8, nvfp4, identity; high-precision
     fall-backs as ``"<dtype>/fallback"``."""
     out = dict(_BYTES)
     if reset:

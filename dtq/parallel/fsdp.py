@@ -22,13 +22,13 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from dtq.autocast import active_recipe
 from dtq.formats import COLUMNWISE, ROWWISE, IdentityQuantizer, Quantizer, codec_for
 from dtq.formats.base import quantize_payloads, shape_2d
 from dtq.parallel import comm
+from dtq.parallel.amax import all_reduce_max, reduce_amax
 from dtq.parallel._torch_private import GatherContext, gather_context, resize_gather_buffers
 from dtq.tensor import QuantizedTensor, warn_once
 
@@ -352,9 +352,7 @@ def _global_amax(local: torch.Tensor, quantizer: Quantizer, shard: torch.Tensor,
                   f"dtq: reducing the amax of {name} (and of every parameter like it) in its own all-reduce during "
                   "the FSDP2 all-gather; call dtq.parallel.precompute_amax(model) after optimizer.step() to do "
                   "all of them in one batched all-reduce")
-        stacked = torch.stack([amax[d] for d in amax])
-        dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=mesh.get_group())
-        amax = dict(zip(amax, stacked.unbind(0)))
+        amax = reduce_amax(amax, mesh.get_group())
     local._dtq_amax = (_amax_key(local, quantizer, shard.dtype), amax)
     return amax
 
@@ -393,13 +391,9 @@ def precompute_amax(model: torch.nn.Module, recipe=None) -> None:
                 pg = ctx.fsdp_param.shard_mesh_from_root.get_group()
                 groups.setdefault(pg, []).append((local, q, dtype, amax))
     for pg, items in groups.items():
-        flat = torch.stack([a for _, _, _, amax in items for a in amax.values()])
-        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=pg)
-        i = 0
+        reduced = iter(all_reduce_max([a for _, _, _, amax in items for a in amax.values()], pg))
         for local, q, dtype, amax in items:
-            reduced = dict(zip(amax, flat[i:i + len(amax)].unbind(0)))
-            i += len(amax)
-            local._dtq_amax = (_amax_key(local, q, dtype), reduced)
+            local._dtq_amax = (_amax_key(local, q, dtype), {d: next(reduced) for d in amax})
 
 
 # -- quantized parameters ------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from dtq import _bits
 from dtq.formats import codec_for
 from dtq.formats.base import quantize_payloads
+from dtq.parallel.amax import all_reduce_max, check_column_shards
 from dtq.tensor import QuantizedTensor
 
 
@@ -101,8 +102,9 @@ def quantize_master_weights(params: Sequence[torch.Tensor], masters: Sequence[to
         raise ValueError(f"quantize_master_weights: {len(params)} parameters but {len(masters)} masters")
     groups = [group] if group is not None else _default_groups(params)
     plans, stats = [], []
-    for p, master in zip(params, masters):
+    for i, (p, master) in enumerate(zip(params, masters)):
         qt = _local(p)
+        check_column_shards(qt.quantizer, p, f"quantize_master_weights: parameter {i}")
         dirs = qt.directions
         q = qt.quantizer
         if isinstance(master, FlatSlice):
@@ -122,27 +124,15 @@ def quantize_master_weights(params: Sequence[torch.Tensor], masters: Sequence[to
             first = len(stats)
             stats.extend(amax.values())
             plans.append(("shard", qt, master, dirs, list(amax), first))
-    if stats:
-        flat = torch.cat([s.reshape(-1).float() for s in stats])
-        for g in groups:  # one all-reduce per sharding mesh dim (one, without tensor parallelism)
-            if dist.get_world_size(g) > 1:
-                dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=g)
-        stats = _unflatten(flat.reshape(-1), stats)
+    for g in groups:  # one all-reduce per sharding mesh dim (one, without tensor parallelism)
+        stats = all_reduce_max(stats, g)
     for plan in plans:
         if plan[0] == "shard":
             _, qt, master, dirs, keys, first = plan
-            amax = {d: stats[first + i].reshape(()) for i, d in enumerate(keys)}
+            amax = {d: stats[first + i] for i, d in enumerate(keys)}
             _write(qt, quantize_payloads(qt.quantizer, master, dirs, amax=amax), None)
         else:
             _finish_flat(plan, stats)
-
-
-def _unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    out, i = [], 0
-    for t in like:
-        out.append(flat[i:i + t.numel()].reshape(t.shape))
-        i += t.numel()
-    return out
 
 
 def _plan_flat(qt: QuantizedTensor, sl: FlatSlice, dirs, stats: list):
@@ -163,14 +153,14 @@ def _plan_flat(qt: QuantizedTensor, sl: FlatSlice, dirs, stats: list):
         if codec.amax_space(sub, d) != "x":
             raise ValueError(f"quantize_master_weights: {sub!r} transforms its {d} direction across rows; a flat "
                              "slice cannot be cast piecewise. Use dim-0 shards for this parameter")
-        tile = codec.tile(sub, d)
+        tile = codec.tile(sub, d, (m, k))
         entry = {}
         if tile is not None:
             entry["blocks"] = (len(stats), tile)
             stats.append(_bits.block_amax(buf, tile))
         if codec.needs_amax(sub, d):
             entry["amax"] = len(stats)
-            stats.append(codec.local_amax(sub, buf, d).reshape(1))
+            stats.append(codec.local_amax(sub, buf, d))
         entries[d] = entry
     return ("flat", qt, buf, ours, dirs, entries, (start, end))
 
@@ -186,7 +176,7 @@ def _finish_flat(plan, stats):
             # Every element that is not ours holds its block's global amax: quantizing the whole
             # buffer then gives each block its global scale, and our elements their exact codes.
             filled = torch.where(ours, buf, _bits.expand_blocks(stats[idx], tile, tuple(buf.shape)))
-        amax = {d: stats[entry["amax"]].reshape(())} if "amax" in entry else None
+        amax = {d: stats[entry["amax"]]} if "amax" in entry else None
         payloads[d] = quantize_payloads(qt.quantizer, filled, (d,), amax=amax)[d]
     _write(qt, payloads, element_range)
 

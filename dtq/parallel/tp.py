@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from dtq.formats import COLUMNWISE, ROWWISE, Quantizer, codec_for
 from dtq.formats.base import quantize_payloads, shape_2d
+from dtq.parallel import amax as amax_lib
 from dtq.parallel import comm
 from dtq.tensor import QuantizedTensor
 
@@ -222,15 +223,13 @@ def gather_along_first_dim(x: torch.Tensor, group: dist.ProcessGroup | None = No
 
 
 def reduce_amax(quantizer: Quantizer, x: torch.Tensor, group, *, rowwise: bool, columnwise: bool,
-                amax: dict | None = None) -> dict:
-    """The tensor-wide amaxes of a tensor split over ``group``: the local ones (or ``amax``),
-    MAX-reduced in one all-reduce."""
+                amax: dict | None = None, dim: int = 0) -> dict:
+    """The amaxes of a tensor split along ``dim`` of its [M, K] view over ``group``: the local ones
+    (or ``amax``), MAX-reduced in one all-reduce (see :mod:`dtq.parallel.amax`)."""
     if amax is None:
         amax = quantizer.local_amax(x, rowwise=rowwise, columnwise=columnwise)
     if amax and dist.get_world_size(group) > 1:
-        stacked = torch.stack([amax[d] for d in amax])
-        dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=group)
-        amax = dict(zip(amax, stacked.unbind(0)))
+        amax = amax_lib.reduce_amax(amax, group, dim)
     return amax
 
 

@@ -1,0 +1,106 @@
+"""FP8 with one fp32 scale per row of the GEMM's contraction: "row-wise scaling".
+
+The rowwise direction has one scale per row of ``[M, K]`` (its amax over K); the columnwise
+direction one scale per column (its amax over M), i.e. one per row of ``X^T``. In every GEMM of
+the three, each operand then has one scale per output row or column, which is what Hopper's
+row-wise scaled GEMM (``torch._scaled_mm`` with ``[m, 1]`` / ``[1, n]`` scales) applies after the
+FP8 product. Per scale: ``scale = fp8_max / amax`` (1 if amax is 0 or non-finite, capped at the
+fp32 max), optionally rounded down to a power of two; ``q = sat(x * scale)``.
+
+Sharding: a dim-0 shard holds whole rows, so the rowwise direction needs nothing from other
+ranks. The columnwise direction needs each column's amax over every row: ``local_amax`` gives
+``[1, K]``, which is MAX-reduced across dim-0 shards (FSDP2, sequence parallel) like a per-tensor
+amax, and then shared by every slice. A shard of the last dim cannot hold rowwise scales that
+span whole rows (``column_shardable`` is False): such tensor-parallel weights stay high precision.
+
+Payload per direction: ``data`` [M, K] float8 and ``scale_inv`` fp32: rowwise [M, 1], columnwise
+[1, K].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from dtq import _bits
+from dtq.formats.base import COLUMNWISE, Codec, Payload, Quantizer, register
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8RowwiseQuantizer(Quantizer):
+    dtype: torch.dtype = torch.float8_e4m3fn
+    pow2_scales: bool = False
+
+    def __post_init__(self):
+        _bits.check_fp8_dtype(self.dtype, "Float8RowwiseQuantizer")
+
+
+def _reduced_dim(direction: str) -> int:
+    """The dim of [M, K] one scale spans: K (dim 1) rowwise, M (dim 0) columnwise."""
+    return 0 if direction == COLUMNWISE else 1
+
+
+@register(Float8RowwiseQuantizer)
+class Float8RowwiseCodec(Codec):
+    name = "fp8_row"
+
+    @classmethod
+    def fields(cls, q: Float8RowwiseQuantizer, direction: str) -> dict[str, int | None]:
+        # columnwise scales cover every row: shared by all dim-0 slices, like a per-tensor value
+        return {"data": 1, "scale_inv": None if direction == COLUMNWISE else 1}
+
+    @classmethod
+    def tile(cls, q: Float8RowwiseQuantizer, direction: str, shape: tuple[int, int]) -> tuple[int, int]:
+        return (shape[0], 1) if direction == COLUMNWISE else (1, shape[1])
+
+    @classmethod
+    def needs_amax(cls, q: Float8RowwiseQuantizer, direction: str) -> bool:
+        return direction == COLUMNWISE
+
+    @classmethod
+    def amax_shape(cls, q: Float8RowwiseQuantizer, direction: str, shape: tuple[int, int]) -> tuple[int, ...]:
+        return (1, shape[1])
+
+    @classmethod
+    def local_amax(cls, q: Float8RowwiseQuantizer, x: torch.Tensor, direction: str) -> torch.Tensor:
+        return _axis_amax(x, _reduced_dim(direction))
+
+    @classmethod
+    def column_shardable(cls, q: Float8RowwiseQuantizer, direction: str) -> bool:
+        return False
+
+    @classmethod
+    def quantize(cls, q: Float8RowwiseQuantizer, x: torch.Tensor, direction: str, amax: torch.Tensor | None,
+                 seed: torch.Tensor | None) -> Payload:
+        if amax is None:
+            amax = _axis_amax(x, _reduced_dim(direction))
+        scale = _bits.per_tensor_scale(amax, _bits.FP8_MAX[q.dtype], q.pow2_scales)
+        return {"data": _bits.cast_fp8(x.float() * scale, q.dtype), "scale_inv": torch.reciprocal(scale)}
+
+    @classmethod
+    def dequantize(cls, q: Float8RowwiseQuantizer, payload: Payload, direction: str,
+                   shape: tuple[int, int]) -> torch.Tensor:
+        return payload["data"].to(torch.float32) * payload["scale_inv"]
+
+    @classmethod
+    def exact_dtype(cls, q: Float8RowwiseQuantizer, payload: Payload, direction: str,
+                    rotated: bool = False) -> torch.dtype:
+        # code * 2^k keeps the code's 4 significant bits; a general scale_inv does not fit bf16
+        return torch.bfloat16 if q.pow2_scales else torch.float32
+
+    @classmethod
+    def empty(cls, q: Float8RowwiseQuantizer, shape: tuple[int, int], direction: str, device: torch.device,
+              dtype: torch.dtype) -> Payload:
+        scale_shape = (1, shape[1]) if direction == COLUMNWISE else (shape[0], 1)
+        return {"data": torch.zeros(shape, dtype=q.dtype, device=device),
+                "scale_inv": torch.ones(scale_shape, dtype=torch.float32, device=device)}
+
+
+def _axis_amax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """max|x| along ``dim`` (kept as a size-1 dim), NaN canonical; 0 over an empty dim."""
+    if x.shape[dim] == 0:
+        shape = list(x.shape)
+        shape[dim] = 1
+        return torch.zeros(shape, dtype=torch.float32, device=x.device)
+    return _bits.canonical_nan(x.abs().amax(dim=dim, keepdim=True).to(torch.float32))
