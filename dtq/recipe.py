@@ -93,11 +93,12 @@ def _fp8_dtypes(fp8_format: str, owner: str = "recipe") -> tuple[torch.dtype, to
 
 
 @dataclasses.dataclass(frozen=True)
-class Float8CurrentScaling(Recipe):
-    """FP8 per-tensor, scale from the current amax."""
+class _Float8Recipe(Recipe):
+    """One FP8 quantizer class for every slot, E4M3 or E5M2 by ``fp8_format`` and role."""
 
     fp8_format: str = "HYBRID"
     pow2_scales: bool = False
+    quantizer_cls: ClassVar[type] = Float8Quantizer
 
     def __post_init__(self):
         super().__post_init__()
@@ -105,7 +106,12 @@ class Float8CurrentScaling(Recipe):
 
     def qfactory(self, role):
         fwd, bwd = _fp8_dtypes(self.fp8_format)
-        return Float8Quantizer(bwd if role.tensor_type == "grad_output" else fwd, pow2_scales=self.pow2_scales)
+        return self.quantizer_cls(bwd if role.tensor_type == "grad_output" else fwd, pow2_scales=self.pow2_scales)
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8CurrentScaling(_Float8Recipe):
+    """FP8 per-tensor, scale from the current amax."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,20 +154,12 @@ class Float8BlockScaling(Recipe):
 
 
 @dataclasses.dataclass(frozen=True)
-class Float8RowwiseScaling(Recipe):
+class Float8RowwiseScaling(_Float8Recipe):
     """FP8 with one scale per row of each GEMM's contraction (torchao's "rowwise" recipe): finer
     than one scale per tensor, and still a native FP8 GEMM on Hopper. E4M3 everywhere by default."""
 
     fp8_format: str = "E4M3"
-    pow2_scales: bool = False
-
-    def __post_init__(self):
-        super().__post_init__()
-        _fp8_dtypes(self.fp8_format, type(self).__name__)
-
-    def qfactory(self, role):
-        fwd, bwd = _fp8_dtypes(self.fp8_format)
-        return Float8RowwiseQuantizer(bwd if role.tensor_type == "grad_output" else fwd, pow2_scales=self.pow2_scales)
+    quantizer_cls: ClassVar[type] = Float8RowwiseQuantizer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,6 +51,12 @@ def test_plain_high_precision_operand_and_shape_error():
         mm(Operand(q.quantize(X)), Operand(W))
 
 
+def _linear_gemms(xq, wq, gq) -> list[tuple[Operand, Operand]]:
+    """(A, B) of fprop, dgrad and wgrad as dtq's Linear runs them."""
+    return [(Operand(xq), Operand(wq, transpose=True)), (Operand(gq), Operand(wq, "columnwise")),
+            (Operand(gq, "columnwise", transpose=True), Operand(xq, "columnwise"))]
+
+
 cuda = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
                           reason="needs an FP8-capable GPU (sm_89+)")
 
@@ -62,9 +68,7 @@ def test_fp8_tensorwise_native_path_agrees_with_emulation(out_dtype, grad_dtype)
     fwd, bwd = dtq.Float8Quantizer(), dtq.Float8Quantizer(grad_dtype)
     x, w, dy = X.cuda() * 3, W.cuda(), DY.cuda() * 1e-3
     xq, wq, gq = fwd.quantize(x), fwd.quantize(w), bwd.quantize(dy)
-    cases = [(Operand(xq), Operand(wq, transpose=True)), (Operand(gq), Operand(wq, "columnwise")),
-             (Operand(gq, "columnwise", transpose=True), Operand(xq, "columnwise"))]
-    for a, b in cases:
+    for a, b in _linear_gemms(xq, wq, gq):
         with record_paths() as paths:
             native = mm(a, b, out_dtype)
         assert paths == ["fp8_tensorwise_scaled_mm"]
@@ -90,9 +94,7 @@ def test_fp8_blockwise_native_path_agrees_with_emulation(shape, w_block):
     x = torch.randn(m, k, device="cuda", generator=g) * torch.logspace(-2, 2, k, device="cuda")
     w, dy = torch.randn(n, k, device="cuda", generator=g), torch.randn(m, n, device="cuda", generator=g)
     xq, wq, gq = a_q.quantize(x), w_qz.quantize(w), a_q.quantize(dy)
-    cases = [(Operand(xq), Operand(wq, transpose=True)), (Operand(gq), Operand(wq, "columnwise")),
-             (Operand(gq, "columnwise", transpose=True), Operand(xq, "columnwise"))]
-    for a, b in cases:
+    for a, b in _linear_gemms(xq, wq, gq):
         with record_paths() as paths:
             native = mm(a, b, torch.float32)
         assert paths == ["fp8_blockwise_scaled_mm"], paths
@@ -115,9 +117,7 @@ def test_fp8_rowwise_native_path_agrees_with_emulation(shape, weight, out_dtype)
     x = x * torch.logspace(-2, 2, k, device="cuda")
     w, dy = torch.randn(n, k, device="cuda", generator=g), torch.randn(m, n, device="cuda", generator=g)
     xq, wq, gq = a_q.quantize(x), w_q.quantize(w), a_q.quantize(dy)
-    cases = [(Operand(xq), Operand(wq, transpose=True)), (Operand(gq), Operand(wq, "columnwise")),
-             (Operand(gq, "columnwise", transpose=True), Operand(xq, "columnwise"))]
-    for a, b in cases:
+    for a, b in _linear_gemms(xq, wq, gq):
         with record_paths() as paths:
             native = mm(a, b, out_dtype)
         if out_dtype not in dtq.gemm._rowwise_out_dtypes():
@@ -198,8 +198,7 @@ def test_bf16_tensor_core_emulation_on_gpu():
              (dtq.Float8BlockQuantizer((1, 128)), dtq.Float8BlockQuantizer((128, 128)))]
     for qa, qb in cases:
         xq, wq, gq = qa.quantize(X.cuda(), seed=1), qb.quantize(W.cuda(), seed=2), qa.quantize(DY.cuda(), seed=3)
-        for a, b in [(Operand(xq), Operand(wq, transpose=True)), (Operand(gq), Operand(wq, "columnwise")),
-                     (Operand(gq, "columnwise", transpose=True), Operand(xq, "columnwise"))]:
+        for a, b in _linear_gemms(xq, wq, gq):
             if dtq.gemm._fp8_blockwise_ok(a, b, torch.float32):
                 continue  # Hopper takes the native FP8 path for these
             with record_paths() as paths:
