@@ -207,9 +207,14 @@ def _row_scales(op: Operand, is_b: bool) -> bool:
     or per-tensor FP8 (one scale broadcast)."""
     if op.format == "fp8":
         return True
-    # fp8_row's rowwise scales span the stored K (dim 1), its columnwise scales the stored M (dim 0)
-    spans = 1 if op.direction == "rowwise" else 0
-    return op.format == "fp8_row" and spans == _contraction_dim(op, is_b)
+    if op.format != "fp8_row":
+        return False
+    # the codec's block: one whole dim of the stored [M, K] by one of the other (which is which
+    # depends on the direction); it must span the contraction dim
+    shape = op.tensor.shape2d
+    tile = codec_for(op.quantizer).tile(op.quantizer, op.direction, shape)
+    c = _contraction_dim(op, is_b)
+    return tile[c] == shape[c] and tile[1 - c] == 1
 
 
 @functools.lru_cache(maxsize=None)

@@ -36,7 +36,7 @@ def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Te
     return out
 
 
-def reduce_amax(amax: dict, group, dim: int = 0) -> dict:
+def reduce_over_shards(amax: dict, group, dim: int = 0) -> dict:
     """``{direction: amax}`` of a tensor sharded along ``dim`` of its [M, K] view over ``group``,
     reduced to the whole tensor's values."""
     keys = [d for d, a in amax.items() if dim == 0 or a.dim() == 0]

@@ -28,7 +28,7 @@ from dtq.autocast import active_recipe
 from dtq.formats import COLUMNWISE, ROWWISE, IdentityQuantizer, Quantizer, codec_for
 from dtq.formats.base import quantize_payloads, shape_2d
 from dtq.parallel import comm
-from dtq.parallel.amax import all_reduce_max, reduce_amax
+from dtq.parallel.amax import all_reduce_max, reduce_over_shards
 from dtq.parallel._torch_private import GatherContext, gather_context, resize_gather_buffers
 from dtq.tensor import QuantizedTensor, warn_once
 
@@ -352,7 +352,7 @@ def _global_amax(local: torch.Tensor, quantizer: Quantizer, shard: torch.Tensor,
                   f"dtq: reducing the amax of {name} (and of every parameter like it) in its own all-reduce during "
                   "the FSDP2 all-gather; call dtq.parallel.precompute_amax(model) after optimizer.step() to do "
                   "all of them in one batched all-reduce")
-        amax = reduce_amax(amax, mesh.get_group())
+        amax = reduce_over_shards(amax, mesh.get_group())
     local._dtq_amax = (_amax_key(local, quantizer, shard.dtype), amax)
     return amax
 

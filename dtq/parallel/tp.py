@@ -229,7 +229,7 @@ def reduce_amax(quantizer: Quantizer, x: torch.Tensor, group, *, rowwise: bool, 
     if amax is None:
         amax = quantizer.local_amax(x, rowwise=rowwise, columnwise=columnwise)
     if amax and dist.get_world_size(group) > 1:
-        amax = amax_lib.reduce_amax(amax, group, dim)
+        amax = amax_lib.reduce_over_shards(amax, group, dim)
     return amax
 
 
