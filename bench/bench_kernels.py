@@ -7,12 +7,13 @@
    ``quantizer.quantize(x, ...)`` on the kernel path, captured once in a CUDA graph and replayed
    (CUDA events, warm-up, median of ``--iters``), so Python overhead is not in the number.
    GB/s = (input bytes + payload bytes written) / time: the useful traffic. Formats that need a
-   tensor-wide amax (FP8 per-tensor, NVFP4) read the input twice (amax pass, then the fused pass),
-   so their ceiling on this metric is below 1.0 of copy: the table prints it as ``ideal``.
+   tensor-wide amax (FP8 per-tensor, NVFP4) or per-row / per-column amaxes (FP8 row-wise) read
+   the input twice (amax pass, then the fused pass), so their ceiling on this metric is below 1.0
+   of copy: the table prints it as ``ideal``.
 3. The reference path (``DTQ_DISABLE_KERNELS=1``, eager) at one size, for contrast; with
    ``--generic``, also the generic fused kernel (``DTQ_GENERIC_QUANTIZE=1``) at every size.
-4. The tensor-wide amax pass alone (max|x|, and max|T x| for the random Hadamard): input bytes
-   over time, against the copy ceiling (a pure read).
+4. The amax passes alone (max|x|, max|T x| for the random Hadamard, and FP8 row-wise's per-row
+   and per-column maxima): input bytes over time, against the copy ceiling (a pure read).
 5. The FP8 code transpose the native GEMMs need (``kernels.transposed``) of codes with the input's
    element count, beside torch's ``.t().contiguous()``.
 Prints a table and writes JSON (device, torch, copy ceiling, every row) to ``--out``.
@@ -41,6 +42,7 @@ CONFIGS = [
     ("fp8b_1x128", dtq.Float8BlockQuantizer(), ("r", "c", "rc")),
     ("fp8b_128x128", dtq.Float8BlockQuantizer((128, 128)), ("rc",)),
     ("mxfp8", dtq.MXFP8Quantizer(), ("r", "c", "rc")),
+    ("fp8 row-wise", dtq.Float8RowwiseQuantizer(), ("r", "c", "rc")),
     ("nvfp4", dtq.NVFP4Quantizer(), ("r", "c", "rc")),
     ("nvfp4_16x16", dtq.NVFP4Quantizer((16, 16)), ("rc",)),
     ("nvfp4_sr_rht", dtq.NVFP4Quantizer(stochastic_rounding=True, random_hadamard=True), ("c", "rc")),
@@ -88,9 +90,16 @@ def _payload_bytes(t: dtq.QuantizedTensor) -> int:
     return total
 
 
-def _needs_amax(q, dirs) -> bool:
+def _needs_amax(q, dirs, x) -> bool:
+    """Whether the kernels read the input twice: a tensor amax pass, or FP8 row-wise's axis amaxes."""
     from dtq.formats.base import codec_for
-    return any(codec_for(q.for_direction(d)).needs_amax(q.for_direction(d), d) for d in dirs)
+
+    def two_reads(sub, d):
+        codec = codec_for(sub)
+        spec = codec.kernel_spec(sub, d, tuple(x.shape), x.dtype)
+        return codec.needs_amax(sub, d) or (spec is not None and spec.amax_vector is not None)
+
+    return any(two_reads(q.for_direction(d), d) for d in dirs)
 
 
 def bench_one(q, x, dirs: str, iters: int, seed: torch.Tensor) -> dict:
@@ -110,7 +119,7 @@ def bench_one(q, x, dirs: str, iters: int, seed: torch.Tensor) -> dict:
     ms = _time_ms(g.replay, iters)
     del g, held
     dirnames = [d for d, on in zip(dtq.DIRECTIONS, (kw["rowwise"], kw["columnwise"])) if on]
-    amax_pass = _needs_amax(q, dirnames)
+    amax_pass = _needs_amax(q, dirnames, x)
     ideal = (in_bytes + out_bytes) / (in_bytes * (2 if amax_pass else 1) + out_bytes)
     return {"ms": ms, "in_bytes": in_bytes, "out_bytes": out_bytes, "amax_pass": amax_pass,
             "gbps": (in_bytes + out_bytes) / ms / 1e6, "ideal_fraction": ideal}
@@ -118,16 +127,20 @@ def bench_one(q, x, dirs: str, iters: int, seed: torch.Tensor) -> dict:
 
 def bench_amax(x, iters: int) -> list[dict]:
     rows = []
-    for name, want_x, signs in (("amax x", True, None), ("amax Tx", False, 0x5A5A)):
-        buf = torch.zeros(2, dtype=torch.int32, device=x.device)
-        ext = kernels.extension()
+    ext = kernels.extension()
+    m, k = x.shape
+    per_row, per_col = (torch.empty(n, dtype=torch.int32, device=x.device) for n in (m, k))
+    buf = torch.zeros(2, dtype=torch.int32, device=x.device)
+    passes = {"amax x": lambda: ext.amax(x, buf, True, -1), "amax Tx": lambda: ext.amax(x, buf, False, 0x5A5A),
+              "axis amax rows+cols": lambda: ext.axis_amax(x, per_row, per_col)}
+    for name, call in passes.items():
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         g = torch.cuda.CUDAGraph()
         with torch.cuda.stream(s):
-            ext.amax(x, buf, want_x, -1 if signs is None else signs)
-            with torch.cuda.graph(g, stream=s):  # the kernel call alone (its memset included)
-                ext.amax(x, buf, want_x, -1 if signs is None else signs)
+            call()
+            with torch.cuda.graph(g, stream=s):  # the kernel call alone (its memsets included)
+                call()
         torch.cuda.current_stream().wait_stream(s)
         ms = _time_ms(g.replay, iters)
         rows.append({"format": name, "dirs": "-", "ms": ms, "in_bytes": x.numel() * x.element_size(), "out_bytes": 0,

@@ -2,6 +2,9 @@
 // only when one of the requested directions needs it. One read of the input gives max|x| and,
 // when asked, max|T x| for the 16-row random Hadamard T (both as fp32 bit patterns, NaN winning,
 // reduced by atomicMax into a zero-initialized int32[2]).
+//
+// Axis amax pass (FP8 row-wise scaling): max|x| of every row ([M]) and/or every column ([K]) from
+// one read, for the fused kernel's kFp8Row slots, whose scales span more than one tile.
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -92,6 +95,67 @@ __global__ void __launch_bounds__(kThreads) amax_hadamard_kernel(const T* __rest
   block_max_atomic(mh, out + 1);
 }
 
+// One CTA per 128 x 128 tile; thread (warp w, lane l) reads 8 columns (8 (l % 16)) of 8 rows
+// (16 w + 8 (l / 16) + i), like the fused kernel. Row maxima: over the 16 lanes of a half-warp,
+// then one atomicMax per row and tile; column maxima: over the 8 rows, the two half-warps and the
+// 8 warps (shared memory), then one atomicMax per column and tile. vec: K % 8 == 0 and x 16-byte
+// aligned (8-element vector loads), else element loads.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) axis_amax_kernel(const T* __restrict__ x, int64_t M, int64_t K, int tiles_k,
+                                                             uint32_t* rows, uint32_t* cols, int vec) {
+  __shared__ uint32_t part[8][128];
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, cv = lane & 15, h = lane >> 4;
+  const int64_t row0 = int64_t(blockIdx.x / tiles_k) * 128 + w * 16 + h * 8;
+  const int64_t col = int64_t(blockIdx.x % tiles_k) * 128 + cv * 8;
+  uint32_t ra[8], ca[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) ra[k] = ca[k] = 0u;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int64_t r = row0 + i;
+    if (r >= M || col >= K) continue;
+    const T* p = x + r * K + col;
+    alignas(16) T e[8];
+    if (vec) {
+#pragma unroll
+      for (int q = 0; q < int(sizeof(T)) / 2; ++q)
+        reinterpret_cast<uint4*>(e)[q] = __ldg(reinterpret_cast<const uint4*>(p) + q);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) e[j] = col + j < K ? p[j] : T(0.f);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t b = abs_bits(to_f32(e[j]));
+      ra[i] = umax(ra[i], b);
+      ca[j] = umax(ca[j], b);
+    }
+  }
+  if (rows) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+#pragma unroll
+      for (int o = 1; o < 16; o <<= 1) ra[i] = umax(ra[i], __shfl_xor_sync(0xFFFFFFFFu, ra[i], o));
+      if (cv == 0 && row0 + i < M && ra[i]) atomicMax(rows + row0 + i, ra[i]);
+    }
+  }
+  if (cols) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      ca[j] = umax(ca[j], __shfl_xor_sync(0xFFFFFFFFu, ca[j], 16));
+      if (h == 0) part[w][cv * 8 + j] = ca[j];
+    }
+    __syncthreads();
+    if (threadIdx.x < 128) {
+      uint32_t m = 0;
+#pragma unroll
+      for (int g = 0; g < 8; ++g) m = umax(m, part[g][threadIdx.x]);
+      const int64_t c = int64_t(blockIdx.x % tiles_k) * 128 + threadIdx.x;
+      if (c < K && m) atomicMax(cols + c, m);
+    }
+  }
+}
+
 int grid_for(int64_t work) {
   const int sms = sm_count();
   int64_t g = (work + kThreads - 1) / kThreads;
@@ -121,6 +185,40 @@ void launch(const at::Tensor& x, uint32_t* out, bool want_x, int64_t signs) {
 }
 
 }  // namespace
+
+// rows: int32[M] or None, cols: int32[K] or None, zeroed here, then max|x| of each row / column as
+// fp32 bit patterns (NaN patterns above +inf win; not canonicalized: only scales derive from them).
+void axis_amax(const at::Tensor& x, const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& cols) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "dtq kernels: x must be a contiguous 2-D CUDA tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const c10::cuda::CUDAGuard guard(x.device());
+  uint32_t* ptr[2] = {nullptr, nullptr};
+  const c10::optional<at::Tensor>* outs[2] = {&rows, &cols};
+  for (int i = 0; i < 2; ++i) {
+    if (!outs[i]->has_value()) continue;
+    const at::Tensor& o = outs[i]->value();
+    TORCH_CHECK(o.is_cuda() && o.scalar_type() == at::kInt && o.is_contiguous() && o.numel() == (i ? K : M),
+                "dtq kernels: axis amax outputs are contiguous int32 [M] (rows) and [K] (columns)");
+    ptr[i] = reinterpret_cast<uint32_t*>(o.data_ptr());
+    C10_CUDA_CHECK(cudaMemsetAsync(ptr[i], 0, o.numel() * sizeof(uint32_t), stream));
+  }
+  if (x.numel() == 0 || (!ptr[0] && !ptr[1])) return;
+  const int64_t tiles_k = (K + 127) / 128, tiles = ((M + 127) / 128) * tiles_k;
+  TORCH_CHECK(tiles < (int64_t(1) << 31), "dtq kernels: tensor too large");
+  const int vec = K % 8 == 0 && (reinterpret_cast<uintptr_t>(x.data_ptr()) & 15) == 0;
+  auto go = [&](auto* p) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(p)>>;
+    axis_amax_kernel<T><<<unsigned(tiles), kThreads, 0, stream>>>(p, M, K, int(tiles_k), ptr[0], ptr[1], vec);
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: go(reinterpret_cast<const float*>(x.data_ptr())); break;
+    case at::kBFloat16: go(reinterpret_cast<const __nv_bfloat16*>(x.data_ptr())); break;
+    case at::kHalf: go(reinterpret_cast<const __half*>(x.data_ptr())); break;
+    default: TORCH_CHECK(false, "dtq kernels: unsupported input dtype ", x.scalar_type());
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 
 // out: int32[2] on x's device, zeroed here (an async memset on the stream: cheaper on the host than
 // a torch.zeros launch); [0] gets max|x| (when want_x), [1] max|T x| (when signs >= 0).

@@ -7,6 +7,7 @@ void quantize_fused(const at::Tensor& x, const std::vector<int64_t>& cfg_a, cons
                     const std::vector<at::Tensor>& outs_b, const c10::optional<at::Tensor>& amax_b,
                     const c10::optional<at::Tensor>& seed);
 void amax(const at::Tensor& x, const at::Tensor& out, bool want_x, int64_t signs);
+void axis_amax(const at::Tensor& x, const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& cols);
 void dequantize(const at::Tensor& data, const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& tensor,
                 const std::vector<int64_t>& cfg, const at::Tensor& out);
 void transpose_u8(const at::Tensor& in, const at::Tensor& out);
@@ -16,6 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_fused", &dtq::quantize_fused,
         "Up to two direction payloads of a [M, K] tensor from one read (slot configs: see csrc/common.cuh)");
   m.def("amax", &dtq::amax, "Tensor-wide max|x| and/or max|T x| (16-row Hadamard) into int32[2] bit patterns");
+  m.def("axis_amax", &dtq::axis_amax, "max|x| of every row and/or every column into int32 bit patterns");
   m.def("dequantize", &dtq::dequantize, "One direction payload back to [M, K] values");
   m.def("transpose_u8", &dtq::transpose_u8, "Contiguous [K, M] copy of a 1-byte [M, K] matrix");
 }

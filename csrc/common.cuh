@@ -15,16 +15,18 @@ constexpr float kFltMax = 3.4028234663852886e+38f;
 constexpr uint32_t kCanonicalNaN = 0x7FC00000u;  // torch's float('nan')
 
 // Payload kinds one direction slot of the fused kernel can produce (mirrors dtq/kernels.py).
-enum SlotKind : int { kNone = 0, kFp8Scaled = 1, kMXFP8 = 2, kNVFP4 = 3, kIdentity = 4 };
+// kFp8Row: FP8 with one scale per whole row (br, bc = 1, 0) or whole column (0, 1), derived from
+// the amax vector amax_in ([M] / [K]) that the axis-amax pass (amax.cu) or the caller wrote.
+enum SlotKind : int { kNone = 0, kFp8Scaled = 1, kMXFP8 = 2, kNVFP4 = 3, kIdentity = 4, kFp8Row = 5 };
 // Element dtypes of inputs and identity outputs.
 enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
 // One direction's configuration, passed by value to the kernels.
 struct SlotCfg {
   int kind;        // SlotKind
-  int br, bc;      // block rows / cols sharing a scale; 0, 0: one scale for the tensor
+  int br, bc;      // block rows / cols sharing a scale; 0, 0: one scale for the tensor (kFp8Row: above)
   int e5m2;        // FP8 element type: 0 e4m3fn, 1 e5m2
-  int pow2;        // kFp8Scaled: round scales down to a power of two
+  int pow2;        // kFp8Scaled, kFp8Row: round scales down to a power of two
   int floor_mode;  // kMXFP8: OCP floor derivation instead of RCEIL
   int sr;          // kNVFP4: stochastic rounding
   int stream;      // kNVFP4: random-bits stream
@@ -33,9 +35,9 @@ struct SlotCfg {
   int out_dtype;   // kIdentity: DType of the output
   float fmax;      // FP8 max of the element type (kFp8Scaled, kMXFP8)
   void* data;      // codes (or identity values)
-  void* scale;     // block scales: fp32 scale_inv / uint8 E8M0 / e4m3 bytes
+  void* scale;     // block scales: fp32 scale_inv (also kFp8Row's [M] / [K]) / uint8 E8M0 / e4m3 bytes
   float* tensor_out;         // per-tensor output: fp32 scale_inv (kFp8Scaled with br == 0) or amax (kNVFP4)
-  const float* amax_in;      // tensor-wide amax (kFp8Scaled per-tensor, kNVFP4)
+  const float* amax_in;      // tensor-wide amax (kFp8Scaled per-tensor, kNVFP4); kFp8Row: one per row / column
   const int64_t* seed;       // kNVFP4 with sr
 };
 

@@ -11,8 +11,8 @@
 //   3. cast pass: thread = 16 consecutive columns x 4 rows; row-block amaxes (1x16 in-thread,
 //      1x32 / 1x128 by warp shuffles), then both slots' codes from the same registers, stored as
 //      16-byte (FP8) / 8-byte (FP4) vectors.
-// Tensor-wide amaxes (FP8 per-tensor, NVFP4 S_enc) come from a device pointer (amax.cu or the
-// caller), so no host synchronization happens anywhere.
+// Tensor-wide amaxes (FP8 per-tensor, NVFP4 S_enc) and FP8 row-wise's per-row / per-column amax
+// vectors come from device pointers (amax.cu or the caller), so no host synchronization happens.
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -38,7 +38,7 @@ constexpr int kThreads = 256;
 constexpr int kGroups = kTile / 16;  // 16-row groups per tile
 
 __host__ __device__ inline int blocks_per_tile(const SlotCfg& s) {
-  if (s.br <= 1) return 0;  // row blocks and per-tensor scales need no table
+  if (s.br <= 1 || s.kind == kFp8Row) return 0;  // row blocks, per-tensor and per-axis scales need no table
   if (s.hadamard) return 0;
   return (kTile / s.br) * (kTile / s.bc);
 }
@@ -83,7 +83,7 @@ __device__ __forceinline__ float block_params(const SlotCfg& s, float bam, float
 }
 
 __device__ __forceinline__ void store_scale(const SlotCfg& s, int64_t idx, uint32_t bits) {
-  if (s.kind == kFp8Scaled)
+  if (s.kind == kFp8Scaled || s.kind == kFp8Row)
     reinterpret_cast<uint32_t*>(s.scale)[idx] = bits;
   else
     reinterpret_cast<uint8_t*>(s.scale)[idx] = uint8_t(bits);
@@ -163,7 +163,7 @@ template <typename T, typename MultFn>
 __device__ __forceinline__ void write_slot_row(const SlotCfg& s, const Chunk<T>& ch, MultFn mult, int64_t K,
                                                int64_t row, int64_t col0, bool vec, uint32_t key) {
   const int nvalid = K - col0 < 16 ? int(K - col0) : 16;
-  if (s.kind == kFp8Scaled || s.kind == kMXFP8) {
+  if (s.kind == kFp8Scaled || s.kind == kMXFP8 || s.kind == kFp8Row) {
     uint8_t* dst = reinterpret_cast<uint8_t*>(s.data) + row * K + col0;
     uint32_t w[4] = {0, 0, 0, 0};
 #pragma unroll
@@ -394,6 +394,15 @@ __global__ void __launch_bounds__(kThreads) fused_quantize_kernel(const T* __res
   for (int si = 0; si < 2; ++si) {
     const SlotCfg& s = slot(si);
     scal[si] = tensor_mult[si];
+    if (s.kind == kFp8Row && s.bc == 1) {  // one scale per column (the only columnwise slot)
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int64_t c = col0 + j;
+        colm[j] = scale_from_amax(c < K ? s.amax_in[c] : 0.f, s.fmax, s.pow2);
+        if (m0 == 0 && rg == 0 && c < K) store_scale(s, c, f2u(__frcp_rn(colm[j])));
+      }
+      continue;
+    }
     if (!blocks_per_tile(s)) continue;
     const int gb = (rg * 4) / s.br;
     if (s.bc == 1) {
@@ -419,7 +428,11 @@ __global__ void __launch_bounds__(kThreads) fused_quantize_kernel(const T* __res
     for (int si = 0; si < 2; ++si) {
       const SlotCfg& s = slot(si);
       if (s.kind == kNone || s.hadamard) continue;
-      if (s.br == 1) {  // row blocks of 16 / 32 / 128 along K
+      if (s.kind == kFp8Row && s.br == 1) {  // one scale per row
+        const float m = scale_from_amax(s.amax_in[row], s.fmax, s.pow2);
+        if (col0 == 0) store_scale(s, row, f2u(__frcp_rn(m)));
+        if (col0 < K) write_slot_row<T>(s, ch, [&](int) { return m; }, K, row, col0, vec, key[si]);
+      } else if (s.br == 1) {  // row blocks of 16 / 32 / 128 along K
         uint32_t am = am16;
         for (int o = 1; o < s.bc / 16; o <<= 1) am = umax(am, __shfl_xor_sync(gmask, am, o));
         uint32_t bits;
@@ -439,7 +452,7 @@ __global__ void __launch_bounds__(kThreads) fused_quantize_kernel(const T* __res
 }
 
 SlotCfg make_cfg(const std::vector<int64_t>& c, const std::vector<at::Tensor>& outs,
-                 const c10::optional<at::Tensor>& amax, const c10::optional<at::Tensor>& seed) {
+                 const c10::optional<at::Tensor>& amax, const c10::optional<at::Tensor>& seed, int64_t M, int64_t K) {
   SlotCfg s{};
   TORCH_CHECK(c.size() == 11, "dtq kernels: slot config needs 11 ints");
   s.kind = int(c[0]); s.br = int(c[1]); s.bc = int(c[2]); s.e5m2 = int(c[3]); s.pow2 = int(c[4]);
@@ -457,6 +470,14 @@ SlotCfg make_cfg(const std::vector<int64_t>& c, const std::vector<at::Tensor>& o
   if (s.kind == kNVFP4 || (s.kind == kFp8Scaled && s.br == 0)) {
     TORCH_CHECK(amax.has_value() && amax->scalar_type() == at::kFloat && amax->is_cuda(),
                 "dtq kernels: this slot needs an fp32 CUDA amax");
+    s.amax_in = amax->data_ptr<float>();
+  }
+  if (s.kind == kFp8Row) {
+    TORCH_CHECK((s.br == 1 && s.bc == 0) || (s.br == 0 && s.bc == 1), "dtq kernels: FP8 row-wise slots are (1, 0) or (0, 1)");
+    const int64_t n = s.br == 1 ? M : K;
+    TORCH_CHECK(amax.has_value() && amax->scalar_type() == at::kFloat && amax->is_cuda() && amax->is_contiguous() &&
+                    amax->numel() == n,
+                "dtq kernels: an FP8 row-wise slot needs a contiguous fp32 CUDA amax of ", n, " values");
     s.amax_in = amax->data_ptr<float>();
   }
   if (s.kind == kNVFP4 && s.sr) {
@@ -500,8 +521,8 @@ void quantize_fused(const at::Tensor& x, const std::vector<int64_t>& cfg_a, cons
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "dtq kernels: x must be a contiguous 2-D CUDA tensor");
   if (x.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
-  SlotCfg a = make_cfg(cfg_a, outs_a, amax_a, seed), b = make_cfg(cfg_b, outs_b, amax_b, seed);
-  const int64_t K = x.size(1);
+  const int64_t M = x.size(0), K = x.size(1);
+  SlotCfg a = make_cfg(cfg_a, outs_a, amax_a, seed, M, K), b = make_cfg(cfg_b, outs_b, amax_b, seed, M, K);
   bool vec_ok = K % 16 == 0 && aligned16(x.data_ptr());
   for (const SlotCfg* s : {&a, &b}) {
     if (s->kind != kNone) vec_ok = vec_ok && aligned16(s->data);

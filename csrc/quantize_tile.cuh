@@ -10,7 +10,9 @@
 //     (32, 128 rows) combine the warps' 16-row maxima through 4 KB of shared memory (one barrier);
 //   * 2-D blocks (16 x 16, 128 x 128): the column-group maxima, then shuffles across lanes;
 //   * the 16-point random Hadamard (columnwise NVFP4): three butterfly stages in-thread, the
-//     fourth (rows i, i + 8) across the two half-warps by one shuffle per element.
+//     fourth (rows i, i + 8) across the two half-warps by one shuffle per element;
+//   * FP8 row-wise (one scale per whole row or column): the scales come from the amax vector of
+//     the axis-amax pass, 8 per thread (its rows or its columns).
 // Codes: FP8 through the packed cvt.rn.satfinite.{e4m3,e5m2}x2.f32 (two values per instruction)
 // with a branch-free byte fix-up that turns the hardware's NaN codes into the reference's 0x7F;
 // 8-byte (FP8) / 4-byte (FP4) / 16-byte (identity) stores, 128 contiguous bytes per half-warp row.
@@ -38,7 +40,8 @@ struct Slot {
   static constexpr bool none = KIND == kNone;
   static constexpr bool ident = KIND == kIdentity;
   static constexpr bool tensor = KIND == kFp8Scaled && BR == 0;
-  static constexpr bool row = BR == 1;                    // 1 x BC blocks
+  static constexpr bool axis = KIND == kFp8Row;           // (1, 0): per row; (0, 1): per column
+  static constexpr bool row = BR == 1 && !axis;           // 1 x BC blocks
   static constexpr bool col = BR > 1 && BC == 1 && !HAD;  // BR x 1 blocks
   static constexpr bool blk = BR > 1 && BC > 1;           // BR x BC blocks
   static constexpr bool fp4 = KIND == kNVFP4;
@@ -61,6 +64,8 @@ using NvC = Slot<kNVFP4, 16, 1>;
 using NvB = Slot<kNVFP4, 16, 16>;
 using NvH = Slot<kNVFP4, 16, 1, true>;
 using Id = Slot<kIdentity, 0, 0>;
+using Fp8RowR = Slot<kFp8Row, 1, 0>;
+using Fp8RowC = Slot<kFp8Row, 0, 1>;
 
 // (rowwise-or-only slot, second slot): the pairs dtq's formats and hybrids produce.
 #define DTQ_FAST_PAIRS(X)                                                                               \
@@ -68,7 +73,7 @@ using Id = Slot<kIdentity, 0, 0>;
   X(NvC, None) X(NvB, None) X(NvH, None) X(Id, None)                                                    \
   X(Fp8R, Fp8C) X(MxR, MxC) X(NvR, NvC) X(NvR, NvH)                                                     \
   X(MxR, NvH) X(Fp8R, Fp8B) X(MxR, NvB) X(Fp8T, MxC) X(Fp8R, NvB) X(Id, NvC) X(NvR, Id) X(Fp8B, Id)     \
-  X(NvR, MxC) X(MxR, Fp8C)
+  X(NvR, MxC) X(MxR, Fp8C) X(Fp8RowR, None) X(Fp8RowC, None) X(Fp8RowR, Fp8RowC)
 
 // ------------------------------------------------------------------------------------------
 // Element access of one thread's 8 x 8 sub-tile, kept as the raw 16-byte vectors.
@@ -179,7 +184,7 @@ __device__ __forceinline__ uint32_t identity_bits(float v, int od) {
 template <class S, typename T, typename MultFn>
 __device__ __forceinline__ void store_row(const SlotCfg& s, const Regs<T>& d, int i, MultFn mult, int64_t off,
                                           uint32_t key) {
-  if constexpr (S::kind == kFp8Scaled || S::kind == kMXFP8) {
+  if constexpr (S::kind == kFp8Scaled || S::kind == kMXFP8 || S::kind == kFp8Row) {
     const bool e5 = s.e5m2;
     uint32_t w[2];
 #pragma unroll
@@ -420,6 +425,30 @@ __device__ __forceinline__ void do_slot(const SlotCfg& s, const SlotConst& c, co
         for (int i = 0; i < 8; ++i)
           *reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(s.data) + ((row0 + i) * K + col) / 2) = codes[i];
       }
+    } else if constexpr (S::axis && S::br == 1) {
+      // One scale per row: the thread's 8 rows; lane cv == 0 of the first column tile stores them.
+      float m[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int64_t r = row0 + i;
+        m[i] = scale_from_amax(r < M ? __ldg(s.amax_in + r) : 0.f, s.fmax, s.pow2);
+        if (col == 0 && r < M) reinterpret_cast<float*>(s.scale)[r] = __frcp_rn(m[i]);
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (row0 + i < M && cok) store_row<S>(s, d, i, [&](int) { return m[i]; }, (row0 + i) * K + col, c.key);
+    } else if constexpr (S::axis) {
+      // One scale per column: the thread's 8 columns; the first 8 rows of the tensor store them.
+      float mult[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int64_t cj = col + j;
+        mult[j] = scale_from_amax(cj < K ? __ldg(s.amax_in + cj) : 0.f, s.fmax, s.pow2);
+        if (row0 == 0 && cj < K) reinterpret_cast<float*>(s.scale)[cj] = __frcp_rn(mult[j]);
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (row0 + i < M && cok) store_row<S>(s, d, i, [&](int j) { return mult[j]; }, (row0 + i) * K + col, c.key);
     } else {  // per-tensor FP8 or identity
 #pragma unroll
       for (int i = 0; i < 8; ++i)

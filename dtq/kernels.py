@@ -24,8 +24,9 @@ from pathlib import Path
 
 import torch
 
-# Slot kinds of the fused kernel (csrc/common.cuh SlotKind).
-NONE, FP8_SCALED, MXFP8, NVFP4, IDENTITY = 0, 1, 2, 3, 4
+# Slot kinds of the fused kernel (csrc/common.cuh SlotKind). FP8_ROW: one FP8 scale per whole row
+# (block (1, 0)) or whole column ((0, 1)), from an amax vector computed before the launch.
+NONE, FP8_SCALED, MXFP8, NVFP4, IDENTITY, FP8_ROW = 0, 1, 2, 3, 4, 5
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 INPUT_DTYPES = tuple(_DTYPE_CODE)
 
@@ -48,8 +49,11 @@ class KernelSpec:
 
     ``fields``: the payload tensors the kernel writes, in the order its kind takes them
     (data, then block scales, then the per-tensor value), as ``(name, shape, dtype)``.
-    ``block``: rows x cols sharing one scale; ``(0, 0)`` for one scale per tensor.
+    ``block``: rows x cols sharing one scale; ``(0, 0)`` for one scale per tensor; a 0 beside a 1
+    spans that whole dim (FP8_ROW: ``(1, 0)`` one scale per row, ``(0, 1)`` one per column).
     ``hadamard_signs``: for NVFP4 columnwise with the random Hadamard, bit j set iff sign j is -1.
+    ``amax_vector``: ``"rows"`` / ``"cols"`` where the kernel reads one amax per row ([M]) / per
+    column ([K]) that the caller computes (``axis_amax``) or was given.
     """
 
     kind: int
@@ -62,6 +66,7 @@ class KernelSpec:
     stream: int = 0
     hadamard_signs: int | None = None
     out_dtype: torch.dtype | None = None
+    amax_vector: str | None = None
 
     def config(self) -> list[int]:
         return [self.kind, self.block[0], self.block[1], int(self.e5m2), int(self.pow2), int(self.floor),
@@ -164,10 +169,22 @@ def amax(x: torch.Tensor, want_x: bool, hadamard_signs: int | None) -> tuple[tor
     return f[0], f[1]
 
 
+def axis_amax(x: torch.Tensor, rows: bool, cols: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(max|x| per row [M], max|x| per column [K])`` as fp32 from one read of the [M, K] CUDA
+    tensor ``x``; each None unless asked for. NaN propagates (not canonicalized)."""
+    m, k = x.shape
+    r = torch.empty(m, dtype=torch.int32, device=x.device) if rows else None  # zeroed by the kernel
+    c = torch.empty(k, dtype=torch.int32, device=x.device) if cols else None
+    if rows or cols:
+        extension().axis_amax(x, r, c)
+    return (None if r is None else r.view(torch.float32)), (None if c is None else c.view(torch.float32))
+
+
 def quantize(x: torch.Tensor, specs: dict[str, KernelSpec], amaxes: dict[str, torch.Tensor],
              seed: torch.Tensor | None) -> dict[str, dict[str, torch.Tensor]]:
     """Payloads of up to two directions of the contiguous [M, K] CUDA tensor ``x``, one read.
-    ``amaxes[d]``: fp32 0-dim CUDA tensor for directions whose format needs a tensor amax."""
+    ``amaxes[d]``: fp32 CUDA tensor for directions whose kernel reads an amax: 0-dim (a tensor
+    amax), or contiguous [M] / [K] (``spec.amax_vector``)."""
     if len(specs) > 2:
         raise ValueError("the fused kernel writes at most two directions")
     dirs = list(specs)
@@ -197,8 +214,12 @@ def dequantize(spec: KernelSpec, payload: dict[str, torch.Tensor], shape: tuple[
     if dtype not in (torch.float32, torch.bfloat16):
         return None
     data = payload["data"]
-    if spec.kind not in (FP8_SCALED, MXFP8, NVFP4) or not data.is_cuda or not available(data.device):
+    if spec.kind not in (FP8_SCALED, MXFP8, NVFP4, FP8_ROW) or not data.is_cuda or not available(data.device):
         return None
+    if spec.kind == FP8_ROW:  # the dequantize kernel's FP8 blocks of one whole row / column
+        if 0 in shape:
+            return None
+        spec = dataclasses.replace(spec, kind=FP8_SCALED, block=(1, shape[1]) if spec.block == (1, 0) else (shape[0], 1))
     names = [n for n, _, _ in spec.fields]
     per_tensor = spec.kind == NVFP4 or spec.block == (0, 0)
     scale = None if spec.block == (0, 0) else payload[names[1]]

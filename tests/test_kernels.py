@@ -31,6 +31,8 @@ PLAIN = {
     "nvfp4_16x16_sr": dtq.NVFP4Quantizer((16, 16), stochastic_rounding=True),
     "nvfp4_rht": dtq.NVFP4Quantizer(random_hadamard=True, hadamard_seed=5),
     "nvfp4_rht_sr": dtq.NVFP4Quantizer(stochastic_rounding=True, random_hadamard=True),
+    "fp8_row": dtq.Float8RowwiseQuantizer(),
+    "fp8_row_e5m2_pow2": dtq.Float8RowwiseQuantizer(torch.float8_e5m2, pow2_scales=True),
     "identity": dtq.IdentityQuantizer(),
     "identity_bf16": dtq.IdentityQuantizer(torch.bfloat16),
     "identity_fp32": dtq.IdentityQuantizer(torch.float32),
@@ -49,6 +51,9 @@ HYBRID = {
     "nvfp4_sr/mxfp8_floor": H(rowwise=dtq.NVFP4Quantizer(stochastic_rounding=True),
                               columnwise=dtq.MXFP8Quantizer(scale_rounding="floor")),
     "mxfp8/fp8b_1x128": H(rowwise=dtq.MXFP8Quantizer(), columnwise=dtq.Float8BlockQuantizer()),
+    "fp8_row/mxfp8": H(rowwise=dtq.Float8RowwiseQuantizer(), columnwise=dtq.MXFP8Quantizer()),
+    "nvfp4_16x16/fp8_row_e5m2": H(rowwise=dtq.NVFP4Quantizer((16, 16)),
+                                  columnwise=dtq.Float8RowwiseQuantizer(torch.float8_e5m2)),
 }
 ALL = {**PLAIN, **HYBRID}
 DIRSETS = [(True, False), (False, True), (True, True)]
@@ -173,12 +178,17 @@ def test_quantize_bits_match_reference(name, spy):
 
 
 @needs_cuda
-@pytest.mark.parametrize("name", ["fp8", "nvfp4", "nvfp4_rht", "fp8/mxfp8", "mxfp8/nvfp4_rht_sr"])
+@pytest.mark.parametrize("name", ["fp8", "nvfp4", "nvfp4_rht", "fp8/mxfp8", "mxfp8/nvfp4_rht_sr", "fp8_row",
+                                  "nvfp4_16x16/fp8_row_e5m2"])
 def test_given_amax_and_seed_tensor(name):
     q = ALL[name]
     x = torch.randn(128, 256) * 3
-    amax = {d: torch.tensor(50.0) for d in dtq.DIRECTIONS if codec_for(q.for_direction(d)).needs_amax(q.for_direction(d), d)}
-    amax_nan = {d: torch.tensor(float("nan")) for d in amax}
+    subs = {d: q.for_direction(d) for d in dtq.DIRECTIONS}
+    shapes = {d: codec_for(s).amax_shape(s, d, tuple(x.shape)) for d, s in subs.items() if codec_for(s).needs_amax(s, d)}
+    amax = {d: torch.full(shape, 50.0) for d, shape in shapes.items()}
+    if "fp8_row" in name:  # per-column amaxes: some columns given below, some above their true amax
+        amax = {d: torch.rand(shape, generator=torch.Generator().manual_seed(3)) * 20 for d, shape in shapes.items()}
+    amax_nan = {d: torch.full(shape, float("nan")) for d, shape in shapes.items()}
     for a in (amax, amax_nan):
         got = q.quantize(x.cuda(), amax={d: v.cuda() for d, v in a.items()}, seed=torch.tensor(77, device="cuda"))
         _compare(got, q.quantize(x, amax=a, seed=77), f"{name} amax={a}")
@@ -204,6 +214,20 @@ def test_dequantize_matches_reference(name):
         rv, rf = codec.dequantize_factored(sub, cpu.payload(d), d, (256, 384))
         gv, gf = codec.dequantize_factored(sub, gpu.payload(d), d, (256, 384))
         torch.testing.assert_close(gv.cpu(), rv, rtol=0, atol=0, equal_nan=True, msg=f"{name} {d} factored")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 7), (130, 200), (257, 1040), (640, 384)])
+def test_axis_amax_matches_torch(shape, dtype):
+    """The FP8 row-wise pre-pass: max|x| of every row and column, NaN winning, one read."""
+    x = (torch.randn(*shape, generator=torch.Generator().manual_seed(5)) * 100).to(dtype)
+    x[0, -1] = float("nan")
+    x = x.cuda()
+    rows, cols = kernels.axis_amax(x, True, True)
+    torch.testing.assert_close(rows, x.abs().amax(dim=1).float(), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(cols, x.abs().amax(dim=0).float(), rtol=0, atol=0, equal_nan=True)
+    assert kernels.axis_amax(x, False, True)[0] is None and kernels.axis_amax(x, True, False)[1] is None
 
 
 @needs_cuda
@@ -247,7 +271,7 @@ def test_kernel_specs_describe_reference_payloads():
 
 @needs_cuda
 @pytest.mark.parametrize("name", ["fp8", "fp8b_1x128/fp8b_128x128", "mxfp8/nvfp4_rht_sr", "nvfp4/identity_bf16",
-                                  "identity_fp32", "mxfp8/nvfp4_16x16"])
+                                  "identity_fp32", "mxfp8/nvfp4_16x16", "fp8_row_e5m2_pow2"])
 def test_generic_kernel_bits_match_reference(name, monkeypatch):
     """The generic fused kernel (the fall-back for slot pairs without a specialised kernel, and for
     unaligned inputs) on aligned shapes, which otherwise take the specialised kernels."""
@@ -265,7 +289,8 @@ def test_generic_kernel_bits_match_reference(name, monkeypatch):
 
 
 @needs_cuda
-@pytest.mark.parametrize("name", ["fp8b_1x128", "mxfp8", "nvfp4_rht_sr", "fp8b_1x128/fp8b_128x128", "mxfp8/nvfp4_16x16"])
+@pytest.mark.parametrize("name", ["fp8b_1x128", "mxfp8", "nvfp4_rht_sr", "fp8b_1x128/fp8b_128x128", "mxfp8/nvfp4_16x16",
+                                  "fp8_row"])
 def test_specialised_kernels_partial_tiles(name):
     """Specialised kernels on shapes with partial 128 x 128 tiles in both dimensions and several tiles."""
     q = ALL[name]

@@ -386,13 +386,20 @@ def _kernel_payloads(subs: dict[str, "Quantizer"], own: list[str], xc: torch.Ten
     if not specs:
         return {}
     amaxes = dict(given)
-    todo = [d for d in specs if codec_for(subs[d]).needs_amax(subs[d], d) and d not in given]
+    vectors = {d: specs[d].amax_vector for d in specs if specs[d].amax_vector}
+    todo = [d for d in specs if codec_for(subs[d]).needs_amax(subs[d], d) and d not in given and d not in vectors]
     if todo:
         signs = {specs[d].hadamard_signs for d in todo if specs[d].amax_space == "hadamard"}
         want_x = any(specs[d].amax_space == "x" for d in todo)
         ax, ah = kernels.amax(xc, want_x, next(iter(signs)) if signs else None)
         for d in todo:
             amaxes[d] = ah if specs[d].amax_space == "hadamard" else ax
+    missing = {v for d, v in vectors.items() if d not in given}
+    if missing:  # one read for every per-row / per-column amax not given
+        rows, cols = kernels.axis_amax(xc, "rows" in missing, "cols" in missing)
+        amaxes.update({d: rows if v == "rows" else cols for d, v in vectors.items() if d not in given})
+    for d in vectors:
+        amaxes[d] = amaxes[d].reshape(-1).contiguous()
     return kernels.quantize(xc, specs, amaxes, seed)
 
 

@@ -15,6 +15,10 @@ span whole rows (``column_shardable`` is False): such tensor-parallel weights st
 
 Payload per direction: ``data`` [M, K] float8 and ``scale_inv`` fp32: rowwise [M, 1], columnwise
 [1, K].
+
+CUDA kernels: an axis-amax pass (one read: the row and/or column amaxes not given), then the fused
+quantize kernel with one scale per row / column (slot kind ``FP8_ROW``); the bits are the ones
+below.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import dataclasses
 
 import torch
 
-from dtq import _bits
+from dtq import _bits, kernels
 from dtq.formats.base import COLUMNWISE, Codec, Payload, Quantizer, register
 
 
@@ -79,8 +83,19 @@ class Float8RowwiseCodec(Codec):
         return {"data": _bits.cast_fp8(x.float() * scale, q.dtype), "scale_inv": torch.reciprocal(scale)}
 
     @classmethod
+    def kernel_spec(cls, q: Float8RowwiseQuantizer, direction: str, shape: tuple[int, int],
+                    dtype: torch.dtype) -> kernels.KernelSpec:
+        col = direction == COLUMNWISE
+        return kernels.KernelSpec(kernels.FP8_ROW, (0, 1) if col else (1, 0),
+                                  (("data", shape, q.dtype), ("scale_inv", _scale_shape(shape, direction), torch.float32)),
+                                  e5m2=q.dtype == torch.float8_e5m2, pow2=q.pow2_scales,
+                                  amax_vector="cols" if col else "rows")
+
+    @classmethod
     def dequantize(cls, q: Float8RowwiseQuantizer, payload: Payload, direction: str,
                    shape: tuple[int, int]) -> torch.Tensor:
+        if (out := cls.kernel_dequantize(q, payload, direction, shape)) is not None:
+            return out
         return payload["data"].to(torch.float32) * payload["scale_inv"]
 
     @classmethod
@@ -92,9 +107,12 @@ class Float8RowwiseCodec(Codec):
     @classmethod
     def empty(cls, q: Float8RowwiseQuantizer, shape: tuple[int, int], direction: str, device: torch.device,
               dtype: torch.dtype) -> Payload:
-        scale_shape = (1, shape[1]) if direction == COLUMNWISE else (shape[0], 1)
         return {"data": torch.zeros(shape, dtype=q.dtype, device=device),
-                "scale_inv": torch.ones(scale_shape, dtype=torch.float32, device=device)}
+                "scale_inv": torch.ones(_scale_shape(shape, direction), dtype=torch.float32, device=device)}
+
+
+def _scale_shape(shape: tuple[int, int], direction: str) -> tuple[int, int]:
+    return (1, shape[1]) if direction == COLUMNWISE else (shape[0], 1)
 
 
 def _axis_amax(x: torch.Tensor, dim: int) -> torch.Tensor:
