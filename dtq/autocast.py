@@ -13,36 +13,59 @@ _local = threading.local()
 
 
 def _stack() -> list:
+    """Entries ``(recipe or None, AmaxSync or None)``, innermost last."""
     if not hasattr(_local, "stack"):
         _local.stack = []
     return _local.stack
 
 
 @contextlib.contextmanager
-def autocast(recipe: Recipe | None = None, enabled: bool = True) -> Iterator[None]:
+def autocast(recipe: Recipe | None = None, enabled: bool = True, *, amax_group=None) -> Iterator[None]:
     """Run dtq modules under ``recipe`` (default: ``Float8CurrentScaling()``). Nests; the innermost
     wins, and ``enabled=False`` switches quantization off inside. The recipe may change between
-    steps: modules look up (and cache) their quantizers per recipe."""
+    steps: modules look up (and cache) their quantizers per recipe.
+
+    ``amax_group``: a process group (typically the data-parallel one) whose ranks keep identical
+    delayed-scaling amax histories, as TransformerEngine's ``fp8_group`` does: the amaxes this
+    region's modules record are MAX-reduced over it in one all-reduce when the region exits, and
+    those of their backward in one all-reduce at the end of the backward pass. Every rank of the
+    group must run the same dtq modules in the same order. Recipes without histories ignore it;
+    nested regions without their own share the enclosing one's."""
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(f"dtq.autocast(recipe=...) takes a dtq recipe (e.g. dtq.MXFP8BlockScaling(), "
                         f"dtq.CustomRecipe(factory)), got {type(recipe).__name__}")
-    _stack().append((recipe or Float8CurrentScaling()) if enabled else None)
+    stack = _stack()
+    if amax_group is not None:
+        from dtq.parallel.amax import AmaxSync
+
+        sync = AmaxSync(amax_group)
+    else:
+        sync = stack[-1][1] if stack else None
+    stack.append(((recipe or Float8CurrentScaling()) if enabled else None, sync))
     try:
         yield
     finally:
-        _stack().pop()
+        stack.pop()
+    if amax_group is not None:  # only on a normal exit: an exception must not start a collective
+        sync.flush()
 
 
 def active_recipe() -> Recipe | None:
     """The recipe dtq modules use right now, or None (high precision)."""
     stack = _stack()
-    return stack[-1] if stack else None
+    return stack[-1][0] if stack else None
+
+
+def active_amax_sync():
+    """The :class:`dtq.parallel.amax.AmaxSync` of the innermost ``autocast(amax_group=...)``, or None."""
+    stack = _stack()
+    return stack[-1][1] if stack else None
 
 
 @contextlib.contextmanager
 def restore(recipe: Recipe | None) -> Iterator[None]:
     """Re-enter a recipe captured earlier (None: disabled), e.g. for a recompute in backward."""
-    _stack().append(recipe)
+    _stack().append((recipe, None))
     try:
         yield
     finally:

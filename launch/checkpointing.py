@@ -2,8 +2,10 @@
 data position and every rank's RNG state, in ``<out_dir>/checkpoints/step_<N>/``.
 
 What is per rank is saved per rank: torch's RNG states (stochastic rounding draws its seeds from
-them) and the delayed-scaling amax histories of dtq modules, which each rank keeps from its own
-activations (DCP would otherwise keep one rank's copy of a plain tensor for everybody).
+them) and the delayed-scaling amax histories of dtq modules (DCP would otherwise keep one rank's
+copy of a plain tensor for everybody). The trainer reduces those histories over every rank
+(``dtq.autocast(amax_group=...)``), so they agree; a model trained without that keeps its own
+per rank, and this layout serves both.
 """
 
 from __future__ import annotations

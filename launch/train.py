@@ -75,6 +75,13 @@ def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
+def quantized(recipe):
+    """``dtq.autocast`` of ``recipe`` (None: BF16). Delayed-scaling amax histories are reduced over
+    every rank, so all ranks use one scale per tensor and hold the same histories."""
+    delayed = recipe is not None and recipe.delayed and dist.get_world_size() > 1
+    return dtq.autocast(recipe, enabled=recipe is not None, amax_group=dist.group.WORLD if delayed else None)
+
+
 @torch.no_grad()
 def evaluate(model, val: data.ByteWindows, cfg: config_mod.Config, recipe, device, rank: int, world: int) -> float:
     """Mean validation loss over ``eval_batches`` fixed batches (the same ones every time)."""
@@ -83,7 +90,7 @@ def evaluate(model, val: data.ByteWindows, cfg: config_mod.Config, recipe, devic
     b = cfg.train.batch_size
     for i in range(cfg.train.eval_batches):
         x, y = val.batch((i * world + rank) * b, b)
-        with dtq.autocast(recipe, enabled=recipe is not None):
+        with quantized(recipe):
             total += lm_loss(model, x.to(device), y.to(device))
     dist.all_reduce(total)  # the tp ranks of a replica hold the same loss: average over every rank
     model.train()
@@ -174,7 +181,7 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto") 
             optim.set_lr(opt, lr)
             x, y = train_data.batch(samples + dp_rank * b, b)  # this replica's slice of the global batch
             x, y = x.to(device), y.to(device)
-            with dtq.autocast(recipe, enabled=recipe is not None), activation_memory(tc, device):
+            with quantized(recipe), activation_memory(tc, device):
                 loss = lm_loss(model, x, y)
             loss.backward()
             if tc.grad_clip > 0:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -95,6 +96,27 @@ def test_resume_with_quantized_params_and_recompute_continues_bitwise(tmp_path):
     args = [*TINY, "--steps", "4", "--set", "train.checkpoint_every=2", "--set", "train.quantized_params=true",
             "--set", "train.recompute=true"]
     _torchrun(*args, "--out-dir", str(tmp_path / "full"))
+    _resume_from(tmp_path / "full", 2, args, tmp_path / "resumed")
+
+
+def test_delayed_scaling_histories_agree_across_ranks_and_resume_bitwise(tmp_path):
+    """FP8 delayed scaling: the trainer reduces every step's amaxes over all ranks
+    (``dtq.autocast(amax_group=...)``), so both ranks save the same histories; resumed at step 2,
+    steps 3-4 log the uninterrupted run's losses."""
+    import torch.distributed.checkpoint as dcp
+
+    args = [*TINY, "--recipe", "fp8-delayed", "--steps", "4", "--set", "train.checkpoint_every=2"]
+    _torchrun(*args, "--out-dir", str(tmp_path / "full"))
+    ckpt = tmp_path / "full" / "checkpoints" / f"step_{2:08d}"
+    meta = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    keys = [k[len("rank0.buffers."):] for k in meta if k.startswith("rank0.buffers.") and "amax_history_" in k]
+    assert keys and all(f"rank1.buffers.{k}" in meta for k in keys)
+    state = {f"rank{r}": {"buffers": {k: torch.zeros(meta[f"rank{r}.buffers.{k}"].size) for k in keys}} for r in (0, 1)}
+    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    for k in keys:
+        assert torch.equal(state["rank0"]["buffers"][k], state["rank1"]["buffers"][k]), k
+        if not k.endswith("_weight"):  # FSDP2 gathers weights quantized with their current amax
+            assert state["rank0"]["buffers"][k][:2].gt(0).all(), k  # two steps recorded
     _resume_from(tmp_path / "full", 2, args, tmp_path / "resumed")
 
 

@@ -30,7 +30,7 @@ class Slot:
     last_amax: torch.Tensor | None = None
 
     @torch.no_grad()
-    def _delayed_amax(self, x: torch.Tensor, replay: bool, group=None) -> torch.Tensor:
+    def _delayed_amax(self, x: torch.Tensor, replay: bool, group=None, sync=None) -> torch.Tensor:
         if replay and self.last_amax is not None:
             return self.last_amax  # a recompute sees the forward's scale; the history moves once
         hist = getattr(self.owner(), self.history)  # looked up each time: .to()/.cuda() replace buffers
@@ -41,19 +41,22 @@ class Slot:
         amax = torch.where(past > 0, past, cur.to(hist.device)) * (2.0 ** self.margin)  # first step: current
         hist.copy_(torch.roll(hist, 1))
         hist[0] = cur
+        if sync is not None:  # dtq.autocast(amax_group=...): entry 0 is reduced over the group later
+            sync.add(hist)
         self.last_amax = amax
         return amax
 
     def quantize(self, x: torch.Tensor, rowwise: bool, columnwise: bool, replay: bool = False,
-                 group=None) -> torch.Tensor:
+                 group=None, sync=None) -> torch.Tensor:
         """``x`` quantized into the requested directions; with a ``group``, ``x`` is this rank's
         sequence-parallel shard and the result is the gathered whole (DESIGN 5: quantized, with
-        scales agreed across the group)."""
+        scales agreed across the group). ``sync``: the :class:`dtq.parallel.amax.AmaxSync` that
+        reduces this step's delayed-scaling amax over the ranks sharing histories, or None."""
         if group is not None and self.quantizer is None:
             return tp.gather_rows(x, group, reason=f"the recipe gives no quantizer for {self.role}")
         if self.quantizer is None or not (rowwise or columnwise):
             return x
-        amax = self._delayed_amax(x, replay, group) if self.history is not None else None
+        amax = self._delayed_amax(x, replay, group, sync) if self.history is not None else None
         try:
             if group is None:
                 return self.quantizer.quantize(x, rowwise=rowwise, columnwise=columnwise, amax=amax)
@@ -148,22 +151,24 @@ class LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, sx: Slot, sw: Slot, sg: Slot, override: str | None,
-                need_dgrad: bool, need_wgrad: bool, replay: bool, name: str, tp_spec=None, group=None):
+                need_dgrad: bool, need_wgrad: bool, replay: bool, name: str, tp_spec=None, group=None,
+                amax_sync=None):
         wl = _local_weight(weight)
         x2 = x.reshape(-1, x.shape[-1])
         gather = group if tp_spec is not None and tp_spec.gathers_input else None
         bwd_cols = override is None
         if gather is not None and override == "high_precision":
             x2 = tp.gather_rows(x2, gather, reason=_HP_OVERRIDE)  # the override saves the high-precision input
-            xq = sx.quantize(x2, rowwise=True, columnwise=False, replay=replay)
+            xq = sx.quantize(x2, rowwise=True, columnwise=False, replay=replay, sync=amax_sync)
         else:
-            xq = sx.quantize(x2, rowwise=True, columnwise=bwd_cols and need_wgrad, replay=replay, group=gather)
+            xq = sx.quantize(x2, rowwise=True, columnwise=bwd_cols and need_wgrad, replay=replay, group=gather,
+                             sync=amax_sync)
             if gather is not None and not isinstance(xq, QuantizedTensor):
                 x2 = xq  # gathered in high precision (no quantizer for the input)
         if isinstance(wl, QuantizedTensor):
             wq = wl
         else:
-            wq = sw.quantize(wl, rowwise=True, columnwise=bwd_cols and need_dgrad, replay=replay)
+            wq = sw.quantize(wl, rowwise=True, columnwise=bwd_cols and need_dgrad, replay=replay, sync=amax_sync)
         # GEMMs write the output dtype directly (no extra cast pass); with a bias, fp32 first.
         y = mm(Operand(xq, ROWWISE), Operand(wq, ROWWISE, transpose=True), torch.float32 if bias is not None else x.dtype)
         if bias is not None:
@@ -179,7 +184,7 @@ class LinearFn(torch.autograd.Function):
             # are refilled by the backward all-gather (columnwise, or what the override needs).
             saved_w = wl
         _save(ctx, saved_x if need_wgrad else None, saved_w if need_dgrad else None, keep=(wl,))
-        ctx.sg, ctx.override, ctx.name = sg, override, name
+        ctx.sg, ctx.override, ctx.name, ctx.amax_sync = sg, override, name, amax_sync
         ctx.need = (need_dgrad, need_wgrad, bias is not None and bias.requires_grad)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.tp, ctx.group = tp_spec, group
@@ -201,7 +206,8 @@ class LinearFn(torch.autograd.Function):
         scatter = ctx.group if ctx.tp is not None and ctx.tp.scatters_output else None
         dx = dw = db = None
         if ctx.override is None:
-            gq = ctx.sg.quantize(dy2, rowwise=need_dgrad, columnwise=need_wgrad, group=scatter)
+            sync = ctx.amax_sync.for_backward() if ctx.amax_sync is not None else None
+            gq = ctx.sg.quantize(dy2, rowwise=need_dgrad, columnwise=need_wgrad, group=scatter, sync=sync)
             if need_dgrad:
                 if isinstance(saved_w, QuantizedTensor) and not saved_w.has(COLUMNWISE):
                     raise RuntimeError(f"dtq: {ctx.name}: the weight has no columnwise payload for dgrad (it holds "
@@ -236,7 +242,7 @@ class LinearFn(torch.autograd.Function):
             if ctx.tp is not None and ctx.tp.gathers_input:
                 dx = tp.reduce_scatter_rows(dx, ctx.group)
             dx = dx.reshape(ctx.x_shape)
-        return dx, _as_param_grad(dw, ctx.w_spec), db, None, None, None, None, None, None, None, None, None, None
+        return dx, _as_param_grad(dw, ctx.w_spec), db, None, None, None, None, None, None, None, None, None, None, None
 
 
 def _as_param_grad(g: torch.Tensor | None, spec) -> torch.Tensor | None:

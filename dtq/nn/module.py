@@ -6,7 +6,7 @@ import weakref
 
 import torch
 
-from dtq.autocast import active_recipe
+from dtq.autocast import active_amax_sync, active_recipe
 from dtq.checkpoint.state_dict import SEP, check_weight, weight_entries, weight_meta
 from dtq.nn._linear_fn import DequantizeWeight, LinearFn, Slot, _local_weight
 from dtq.parallel import tp
@@ -148,6 +148,7 @@ class QuantizedModule(torch.nn.Module):
         state = dict(state)
         state["_slot_cache"] = {}  # rebuilt on use; holds weak references and user factories
         state.pop("_dtq_recipe", None)
+        state.pop("_dtq_amax_sync", None)
         return state
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemm: int = 0) -> torch.Tensor:
@@ -167,6 +168,8 @@ class QuantizedModule(torch.nn.Module):
             # What an FSDP2 gather of this module's weights needs to know later
             # (dtq.parallel.fsdp): the recipe in use, and whether backward will recompute.
             self._dtq_recipe = recipe
+            # Where this step's delayed-scaling amaxes are reduced (forward and, later, backward).
+            self._dtq_amax_sync = active_amax_sync()
             self._dtq_recompute = inside_checkpoint_forward() or (not torch.is_grad_enabled() and weight.requires_grad)
         row_bias = None
         if spec is not None:
@@ -184,7 +187,8 @@ class QuantizedModule(torch.nn.Module):
                           f"it is used as stored, not requantized to the recipe's {sw.quantizer!r}")
             grad = torch.is_grad_enabled()
             y = LinearFn.apply(x, weight, bias, sx, sw, sg, recipe.backward_override,
-                               grad and x.requires_grad, grad and weight.requires_grad, replay, name, spec, group)
+                               grad and x.requires_grad, grad and weight.requires_grad, replay, name, spec, group,
+                               getattr(self, "_dtq_amax_sync", None))
         if spec is not None and spec.kind == "row":
             if not spec.sequence_parallel:
                 y = tp.ReduceFromTP.apply(y, group)

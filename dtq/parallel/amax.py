@@ -17,6 +17,41 @@ import torch.distributed as dist
 from dtq.formats import DIRECTIONS, Quantizer, codec_for
 
 
+class AmaxSync:
+    """The delayed-scaling amaxes of one ``dtq.autocast(amax_group=...)`` region, reduced over the
+    group so that every rank's histories (hence scales and checkpointed buffers) agree. A module
+    writes its local current amax into entry 0 of its history and registers the history here;
+    ``flush`` MAX-reduces all registered entries in one all-reduce and writes them back. The
+    scale of a step comes from earlier entries, so reducing at the end of the forward (and of the
+    backward, for gradient histories) changes no scale of the step itself."""
+
+    def __init__(self, group):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("dtq.autocast(amax_group=...) reduces amaxes over a process group, but torch.distributed "
+                               "is not initialized: call torch.distributed.init_process_group first, or leave "
+                               "amax_group=None in a single-process run")
+        self.group = group
+        self._pending: list[torch.Tensor] = []
+        self._backward_flush_queued = False
+
+    def add(self, history: torch.Tensor) -> None:
+        self._pending.append(history)
+
+    def for_backward(self) -> "AmaxSync":
+        """This sync, with a flush queued for the end of the running backward pass (once)."""
+        if not self._backward_flush_queued:
+            self._backward_flush_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+        return self
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        pending, self._pending = self._pending, []
+        self._backward_flush_queued = False
+        for hist, amax in zip(pending, all_reduce_max([h[0] for h in pending], self.group)):
+            hist[0] = amax
+
+
 def all_reduce_max(tensors: Sequence[torch.Tensor], group) -> list[torch.Tensor]:
     """``tensors`` (any shapes) MAX-reduced over ``group`` in one all-reduce, as new fp32 tensors
     of the same shapes."""
