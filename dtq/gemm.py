@@ -225,15 +225,21 @@ def _rowwise_out_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.bfloat16, torch.float32) if cuda >= (12, 9) else (torch.bfloat16,)
 
 
+# FP8 operand pairs torch's row-wise scaled GEMM takes on Hopper (bench/probe_rowwise_mm.py:
+# E4M3 x E4M3 and one E5M2 operand, as an E5M2 gradient meets an E4M3 weight or input).
+_ROWWISE_PAIRS = {(torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e5m2, torch.float8_e4m3fn),
+                  (torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
 def _fp8_rowwise_ok(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
-    # Hopper, E4M3 operands; everything else (E5M2 gradients, other outputs) is emulated.
+    # Hopper, the pairs above; everything else (E5M2 x E5M2, other outputs) is emulated.
     if "fp8_row" not in (a.format, b.format) or not _row_scales(a, False) or not _row_scales(b, True):
         return False
     if not _sm_at_least(a.tensor, 9) or kernels.capability(a.tensor.device)[0] != 9:
         return False
     if out_dtype not in _rowwise_out_dtypes():
         return False
-    if a.quantizer.dtype != torch.float8_e4m3fn or b.quantizer.dtype != torch.float8_e4m3fn:
+    if (a.quantizer.dtype, b.quantizer.dtype) not in _ROWWISE_PAIRS:
         return False
     (m, k), (_, n) = a.logical_shape(), b.logical_shape()
     return m % 16 == 0 and k % 16 == 0 and n % 16 == 0

@@ -107,16 +107,17 @@ def test_fp8_blockwise_native_path_agrees_with_emulation(shape, w_block):
 @pytest.mark.parametrize("shape", [(256, 512, 384), (128, 384, 256)], ids=str)
 @pytest.mark.parametrize("weight", ["rowwise_scaled", "per_tensor"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_fp8_rowwise_native_path_agrees_with_emulation(shape, weight, out_dtype):
+@pytest.mark.parametrize("grad_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3_grad", "e5m2_grad"])
+def test_fp8_rowwise_native_path_agrees_with_emulation(shape, weight, out_dtype, grad_dtype):
     m, k, n = shape
-    a_q = dtq.Float8RowwiseQuantizer()
+    a_q, g_q = dtq.Float8RowwiseQuantizer(), dtq.Float8RowwiseQuantizer(grad_dtype)
     w_q = dtq.Float8RowwiseQuantizer() if weight == "rowwise_scaled" else dtq.Float8Quantizer()
     g = torch.Generator(device="cuda").manual_seed(0)
     # rows and columns over 4 decades: a per-tensor scale would flush the small ones to subnormals
     x = torch.randn(m, k, device="cuda", generator=g) * torch.logspace(-2, 2, m, device="cuda")[:, None]
     x = x * torch.logspace(-2, 2, k, device="cuda")
     w, dy = torch.randn(n, k, device="cuda", generator=g), torch.randn(m, n, device="cuda", generator=g)
-    xq, wq, gq = a_q.quantize(x), w_q.quantize(w), a_q.quantize(dy)
+    xq, wq, gq = a_q.quantize(x), w_q.quantize(w), g_q.quantize(dy)
     for a, b in _linear_gemms(xq, wq, gq):
         with record_paths() as paths:
             native = mm(a, b, out_dtype)
@@ -134,9 +135,9 @@ def test_fp8_rowwise_native_path_agrees_with_emulation(shape, weight, out_dtype)
     wrong = (Operand(xq, "columnwise"), Operand(wq if weight == "rowwise_scaled" else a_q.quantize(w), "rowwise",
                                                  transpose=True))
     assert not dtq.gemm._fp8_rowwise_ok(*wrong, torch.bfloat16)
-    # E5M2 gradients (fp8_format="HYBRID") are emulated
-    g5 = dtq.Float8RowwiseQuantizer(torch.float8_e5m2).quantize(dy)
-    assert not dtq.gemm._fp8_rowwise_ok(Operand(g5), Operand(wq, "columnwise"), torch.bfloat16)
+    # two E5M2 operands are emulated (torch's row-wise GEMM takes at most one)
+    g5, w5 = (dtq.Float8RowwiseQuantizer(torch.float8_e5m2).quantize(t) for t in (dy, w))
+    assert not dtq.gemm._fp8_rowwise_ok(Operand(g5), Operand(w5, "columnwise"), torch.bfloat16)
 
 
 @cuda
@@ -151,9 +152,10 @@ def test_modules_take_native_path_on_gpu():
             lin(torch.randn(128, 256, device="cuda", requires_grad=True)).sum().backward()
         assert paths == ["fp8_blockwise_scaled_mm"] * 3
         lin = dtq.nn.Linear(256, 384, params_dtype=torch.bfloat16).cuda()
-        with record_paths() as paths, dtq.autocast(dtq.Float8RowwiseScaling()):
-            lin(torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)).sum().backward()
-        assert paths == ["fp8_rowwise_scaled_mm"] * 3
+        for fmt in ("E4M3", "HYBRID"):  # HYBRID: E5M2 gradients against E4M3 operands
+            with record_paths() as paths, dtq.autocast(dtq.Float8RowwiseScaling(fp8_format=fmt)):
+                lin(torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)).sum().backward()
+            assert paths == ["fp8_rowwise_scaled_mm"] * 3, fmt
 
 
 @pytest.mark.parametrize("q", ALL, ids=IDS)
