@@ -38,6 +38,19 @@ def describe(mesh: DeviceMesh) -> str:
     return " x ".join(f"{name} {size}" for name, size in zip(mesh.mesh_dim_names, mesh.shape))
 
 
+def tp_plan(sequence_parallel: bool) -> dict:
+    """The TP style of each GEMM module of a decoder block, by its name inside the block."""
+    return {"attn.qkv": dtq.parallel.ColwiseParallel(sequence_parallel=sequence_parallel),
+            "attn.proj": dtq.parallel.RowwiseParallel(sequence_parallel=sequence_parallel),
+            "mlp": dtq.parallel.LayerNormMLPParallel(sequence_parallel=sequence_parallel)}
+
+
+def tp_weight_dims(model: torch.nn.Module) -> dict[int, dict[str, int]]:
+    """``{id(module): {weight name: dim TP splits}}`` for the GEMM modules ``tp_plan`` shards."""
+    plan = tp_plan(False)
+    return {id(block.get_submodule(name)): style.weight_dims for block in model.blocks for name, style in plan.items()}
+
+
 def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh, cfg: Config) -> None:
     """dtq's TP styles on ``mesh["tp"]``: QKV column-wise, the attention output projection
     row-wise, the MLP as a column/row pair; with ``parallel.sequence_parallel`` the activations
@@ -53,12 +66,9 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh, cfg: Config)
     if sp and cfg.model.seq_len % size:
         raise ValueError(f"config: model.seq_len = {cfg.model.seq_len} must be divisible by parallel.tp = {size} under "
                          "sequence parallelism (each rank holds an equal slice of the sequence)")
-    plan = {"attn.qkv": dtq.parallel.ColwiseParallel(sequence_parallel=sp),
-            "attn.proj": dtq.parallel.RowwiseParallel(sequence_parallel=sp),
-            "mlp": dtq.parallel.LayerNormMLPParallel(sequence_parallel=sp)}
     model.to(tp_mesh.device_type)  # TP styles split tensors that already live on the mesh's device
     for block in model.blocks:
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, tp_plan(sp))
     model.sp_group = tp_mesh.get_group() if sp else None
 
 

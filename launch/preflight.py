@@ -17,6 +17,7 @@ _WHY = {
     "weight": "its [N, K] = [out features, in features], set by model.hidden and model.ffn_hidden",
     "grad_output": "its [M, N] = [tokens per rank = train.batch_size * model.seq_len, out features]",
 }
+_TP = " (this rank's parallel.tp shard)"
 
 
 def _directions(recipe: dtq.Recipe, tensor_type: str) -> tuple[str, ...]:
@@ -27,10 +28,13 @@ def _directions(recipe: dtq.Recipe, tensor_type: str) -> tuple[str, ...]:
     return ("rowwise", "columnwise")
 
 
-def check_shapes(model, recipe: dtq.Recipe | None, tokens_per_rank: int, fsdp_world: int) -> None:
+def check_shapes(model, recipe: dtq.Recipe | None, tokens_per_rank: int, fsdp_world: int, tp: int = 1,
+                 tp_dims: dict[int, dict[str, int]] | None = None) -> None:
     """Raise ValueError naming the module, the operand and the config keys when ``recipe`` cannot
     quantize one of ``model``'s GEMM operands, or FSDP2 over ``fsdp_world`` ranks would split a
-    block of a gathered weight."""
+    block of a gathered weight. With ``tp > 1``, ``tp_dims`` (``parallel.tp_weight_dims``) says
+    which weights tensor parallelism splits along which dim: those are checked at the shard
+    shapes a rank's GEMMs see (sequence-parallel inputs are gathered to whole tokens first)."""
     if recipe is None:
         return
     problems = []
@@ -38,8 +42,17 @@ def check_shapes(model, recipe: dtq.Recipe | None, tokens_per_rank: int, fsdp_wo
         if not isinstance(module, QuantizedModule):
             continue
         roles = [r for r in module.quantizer_roles() if r is not None]
+        split = (tp_dims or {}).get(id(module), {}) if tp > 1 else {}
         for g, wname in enumerate(module.weight_names()):
-            n, k = getattr(module, wname).shape
+            shape = list(getattr(module, wname).shape)
+            if wname in split:
+                dim = split[wname]
+                if shape[dim] % tp:
+                    problems.append(f"{module.name or type(module).__name__}.{wname} {shape}: parallel.tp = {tp} "
+                                    f"does not divide its dim {dim} ({shape[dim]}), which tensor parallelism splits")
+                    continue
+                shape[dim] //= tp
+            n, k = shape
             shapes = {"input": (tokens_per_rank, k), "weight": (n, k), "grad_output": (tokens_per_rank, n)}
             for role in roles[3 * g:3 * g + 3]:
                 q = recipe.quantizer(role)
@@ -50,7 +63,8 @@ def check_shapes(model, recipe: dtq.Recipe | None, tokens_per_rank: int, fsdp_wo
                     try:
                         codec_for(sub).check_shape(sub, shapes[role.tensor_type], d)
                     except ValueError as e:
-                        problems.append(f"{role.name} {role.tensor_type} ({_WHY[role.tensor_type]}): {e}")
+                        problems.append(f"{role.name} {role.tensor_type} ({_WHY[role.tensor_type]}"
+                                        f"{_TP if wname in split else ''}): {e}")
                     if role.tensor_type == "weight" and fsdp_world > 1:
                         rows = -(-n // fsdp_world)
                         need = q.block_rows(d)

@@ -105,6 +105,20 @@ def test_preflight_explains_which_dims_must_be_multiples_of_what():
         preflight.check_shapes(model, build_recipe("fp8-block"), 256, 4)
 
 
+def test_preflight_checks_tensor_parallel_shards():
+    """Row-parallel weights (attn.proj, mlp fc2) halve K per TP rank, column-parallel ones N: a
+    hidden size MXFP8 takes whole can leave shards it cannot block."""
+    model, cfg = _decoder()  # hidden 256
+    dims = parallel.tp_weight_dims(model)
+    tokens = cfg.train.batch_size * cfg.model.seq_len
+    preflight.check_shapes(model, build_recipe("mxfp8"), tokens, 1)
+    preflight.check_shapes(model, build_recipe("mxfp8"), tokens, 1, tp=8, tp_dims=dims)  # K = 32 per rank
+    with pytest.raises(ValueError, match=r"attn.proj input .*this rank's parallel.tp shard.*multiple of the MX block"):
+        preflight.check_shapes(model, build_recipe("mxfp8"), tokens, 1, tp=16, tp_dims=dims)  # K = 16 per rank
+    with pytest.raises(ValueError, match=r"parallel.tp = 3 does not divide its dim 0"):
+        preflight.check_shapes(model, build_recipe("fp8"), tokens, 1, tp=3, tp_dims=dims)
+
+
 def test_corpus_is_the_stdlib_in_sorted_order():
     files = data.stdlib_files()
     assert files and all(f.suffix == ".py" and "site-packages" not in f.parts for f in files)
@@ -216,10 +230,11 @@ def test_the_1b_config_fits_every_recipe_in_each_8_gpu_layout():
         model = Decoder(cfg.model)
     n = sum(p.numel() for p in model.parameters())
     assert 1.0e9 < n < 1.1e9
+    tokens = cfg.train.batch_size * cfg.model.seq_len
     for name in ("bf16", "fp8", "fp8-block", "fp8-row", "mxfp8", "nvfp4", "hybrid"):
         for shards in (8, 4):
-            preflight.check_shapes(model, build_recipe(name), cfg.train.batch_size * cfg.model.seq_len, shards)
-    assert (cfg.model.hidden // 2) % 128 == 0 and (cfg.model.ffn_hidden // 2) % 128 == 0
+            preflight.check_shapes(model, build_recipe(name), tokens, shards)
+        preflight.check_shapes(model, build_recipe(name), tokens, 4, tp=2, tp_dims=parallel.tp_weight_dims(model))
     assert cfg.model.heads % 2 == 0 and cfg.model.seq_len % 2 == 0
 
 

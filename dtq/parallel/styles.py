@@ -81,9 +81,12 @@ def _to_local(x, mesh: DeviceMesh, placement):
 
 
 class _DtqStyle(ParallelStyle):
-    """Shared plumbing: input layout in, output layout out."""
+    """Shared plumbing: input layout in, output layout out. ``weight_dims``: the dim of each GEMM
+    weight the style splits over the mesh (0: output features, 1: input features), which also
+    gives the shapes a rank's GEMMs see before the style is applied (e.g. for shape checks)."""
 
     accepts: tuple[type, ...] = ()
+    weight_dims: dict[str, int] = {}
 
     def __init__(self, *, sequence_parallel: bool = False, use_local_output: bool = True):
         super().__init__()
@@ -96,6 +99,10 @@ class _DtqStyle(ParallelStyle):
             raise TypeError(f"dtq.parallel.{type(self).__name__} applies to {names}, not {type(module).__name__}; "
                             "convert nn.Linear modules with dtq.convert first, and use torch's SequenceParallel for "
                             "stand-alone norms")
+
+    def _distribute_weights(self, module: torch.nn.Module, mesh: DeviceMesh) -> None:
+        for name, dim in self.weight_dims.items():
+            _distribute(module, name, mesh, Shard(dim))
 
     def _input_placement(self):
         raise NotImplementedError
@@ -127,6 +134,7 @@ class ColwiseParallel(_DtqStyle):
     feature shard (a ``Shard(-1)`` DTensor if ``use_local_output=False``)."""
 
     accepts = (Linear, LayerNormLinear)
+    weight_dims = {"weight": 0}
 
     def _input_placement(self):
         return Shard(0) if self.sequence_parallel else Replicate()
@@ -136,7 +144,7 @@ class ColwiseParallel(_DtqStyle):
 
     def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
         self._check(module)
-        _distribute(module, "weight", device_mesh, Shard(0))
+        self._distribute_weights(module, device_mesh)
         _distribute(module, "bias", device_mesh, Shard(0))
         if isinstance(module, LayerNormLinear):
             _replicate_norm(module.norm, device_mesh, self.sequence_parallel)
@@ -152,6 +160,7 @@ class RowwiseParallel(_DtqStyle):
     (then the gradient is gathered quantized inside the GEMM)."""
 
     accepts = (Linear,)
+    weight_dims = {"weight": 1}
 
     def _input_placement(self):
         return Shard(-1)
@@ -161,7 +170,7 @@ class RowwiseParallel(_DtqStyle):
 
     def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
         self._check(module)
-        _distribute(module, "weight", device_mesh, Shard(1))
+        self._distribute_weights(module, device_mesh)
         _distribute(module, "bias", device_mesh, Replicate())
         module._dtq_tp, module._dtq_tp_mesh = {0: TPSpec("row", self.sequence_parallel)}, device_mesh
         self._hooks(module, device_mesh)
@@ -175,6 +184,7 @@ class LayerNormMLPParallel(_DtqStyle):
     each fc1 shard holds matching gate/up rows."""
 
     accepts = (LayerNormMLP,)
+    weight_dims = {"fc1_weight": 0, "fc2_weight": 1}
 
     def _input_placement(self):
         return Shard(0) if self.sequence_parallel else Replicate()
@@ -192,9 +202,8 @@ class LayerNormMLPParallel(_DtqStyle):
                                  f"swiglu_interleave={module.swiglu_interleave}; tensor parallelism over {world} ranks "
                                  f"needs LayerNormMLP(..., swiglu_interleave=B) with B dividing ffn_hidden_size / "
                                  f"{world} = {ffn / world:g}, so every fc1 shard holds whole gate/up pairs")
-        _distribute(module, "fc1_weight", device_mesh, Shard(0))
+        self._distribute_weights(module, device_mesh)
         _distribute(module, "fc1_bias", device_mesh, Shard(0))
-        _distribute(module, "fc2_weight", device_mesh, Shard(1))
         _distribute(module, "fc2_bias", device_mesh, Replicate())
         _replicate_norm(module.norm, device_mesh, self.sequence_parallel)
         module._dtq_tp = {0: TPSpec("column", self.sequence_parallel), 1: TPSpec("row", self.sequence_parallel)}
