@@ -66,11 +66,14 @@ def convert(module: torch.nn.Module, *, recipe: Recipe | None = None, quantized_
     reachable under two names is converted once. ``module_filter_fn(module, fqn)`` returning
     False keeps a Linear as it is. ``quantized_params=True`` makes the weights of every dtq module
     QuantizedTensor parameters quantized by ``recipe`` (tied weights stay tied). The returned
-    model's ``load_state_dict`` checks every dtq weight before loading any. Returns the
-    module (a new one if ``module`` itself was a Linear)."""
-    if recipe is not None and not quantized_params:
-        raise ValueError("dtq.convert(recipe=...) is used to quantize weights with quantized_params=True; without it, "
-                         "choose the recipe at run time with dtq.autocast(recipe)")
+    model's ``load_state_dict`` checks every dtq weight before loading any. A ``recipe`` that keeps
+    per-module state (``DelayedScaling``) gets it now, also without ``quantized_params``, so a
+    fresh model's state dict has the keys ``torch.distributed.checkpoint.load`` must fill. Returns
+    the module (a new one if ``module`` itself was a Linear)."""
+    if recipe is not None and not quantized_params and not recipe.delayed:
+        raise ValueError(f"dtq.convert(recipe=...) quantizes weights (quantized_params=True) or creates the per-module "
+                         f"state of a recipe that keeps one (DelayedScaling's amax histories); {type(recipe).__name__} "
+                         "keeps none, so without quantized_params choose it at run time with dtq.autocast(recipe)")
     swapped: dict[int, Linear] = {}
     weights: dict[int, torch.nn.Parameter] = {}
 
@@ -104,5 +107,9 @@ def convert(module: torch.nn.Module, *, recipe: Recipe | None = None, quantized_
         for m in module.modules():
             if isinstance(m, QuantizedModule):
                 quantize_module_weights(m, recipe, memo)
+    elif recipe is not None:
+        for m in module.modules():
+            if isinstance(m, QuantizedModule):
+                m.init_recipe_state(recipe)
     make_loading_atomic(module)
     return module

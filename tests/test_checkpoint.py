@@ -298,3 +298,38 @@ def test_load_high_precision_errors():
     sd["1.weight"] = sd["1.weight"][:64]
     with pytest.raises(ValueError, match=r"1.weight has shape \[64, 128\] in the state dict and \[128, 128\]"):
         dtq.checkpoint.load_high_precision(m, sd)
+
+
+def test_delayed_scaling_histories_resume_through_dcp(tmp_path):
+    """dcp.load fills only the keys the target's state dict has. ``dtq.convert(model,
+    recipe=DelayedScaling())`` creates the amax histories up front, so a fresh model loads them and
+    the next steps' outputs (scales from the histories) are bitwise the uninterrupted model's."""
+    recipe = dtq.DelayedScaling(amax_history_len=4)
+
+    def fresh():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(H, F), torch.nn.GELU(), torch.nn.Linear(F, H))
+        return dtq.convert(net, recipe=recipe)
+
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(T, H, generator=g) * (i + 1) for i in range(4)]
+
+    def step(m, x):
+        with dtq.autocast(recipe):
+            y = m(x.requires_grad_())
+        y.square().mean().backward()
+        return y.detach()
+
+    a = fresh()
+    for x in xs[:2]:
+        step(a, x)
+    dcp.save(a.state_dict(), checkpoint_id=str(tmp_path / "ckpt"))
+    b = fresh()
+    sd = b.state_dict()
+    assert sum("amax_history_" in k for k in sd) == 6  # input, weight, grad_output of both GEMMs
+    dcp.load(sd, checkpoint_id=str(tmp_path / "ckpt"))
+    b.load_state_dict(sd)
+    for x in xs[2:]:
+        assert torch.equal(step(a, x.clone()), step(b, x.clone()))
+    with pytest.raises(ValueError, match="keeps none"):
+        dtq.convert(torch.nn.Linear(H, H), recipe=dtq.MXFP8BlockScaling())

@@ -518,7 +518,7 @@ def test_convert_duplicates_ties_hooks_and_recipe_misuse():
     tied.y.weight = tied.x.weight
     dtq.convert(tied, recipe=dtq.MXFP8BlockScaling(), quantized_params=True)
     assert tied.x.weight is tied.y.weight and isinstance(tied.x.weight, dtq.QuantizedTensor)
-    with pytest.raises(ValueError, match="choose the recipe at run time with dtq.autocast"):
+    with pytest.raises(ValueError, match="keeps none, so without quantized_params choose it at run time with dtq.autocast"):
         dtq.convert(torch.nn.Linear(K, N), recipe=dtq.MXFP8BlockScaling())
 
 

@@ -42,6 +42,13 @@ class QuantizedModule(torch.nn.Module):
         """The GEMM weight parameter of each GEMM, in GEMM order."""
         return ["weight"]
 
+    def init_recipe_state(self, recipe: Recipe) -> None:
+        """Create what ``recipe`` keeps in this module (``DelayedScaling``'s amax history buffers)
+        now instead of at the first forward: ``torch.distributed.checkpoint.load`` fills only the
+        keys a fresh model's state dict already has."""
+        for g in range(len(self.gemm_suffixes())):
+            self._slots(recipe, g)
+
     def weight_quantizer(self, weight_name: str, recipe: Recipe):
         """The quantizer ``recipe`` gives the weight ``weight_name`` of this module."""
         return self._slots(recipe, self.weight_names().index(weight_name))[1].quantizer
