@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: build the CUDA kernels, run every GPU test, and with --bench the
+# kernel and layer benchmarks. Logs and JSON go to $OUT (default /tmp/dtq_out), which the device
+# tool brings back. A torchao wheel in .whl/ (for the layer benchmark's peer rows) is installed
+# into /tmp/site first.
+#
+#   DTQ_COMMIT=<sha> bash bench/device_check.sh            # build + GPU tests (~4 min on an H100)
+#   DTQ_COMMIT=<sha> bash bench/device_check.sh --bench    # then bench_kernels and bench_layers
+set -uo pipefail
+OUT=${OUT:-/tmp/dtq_out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+start=$(date +%s)
+python3 -m dtq.kernels build > "$OUT/build.log" 2>&1 || { echo "kernel build failed:"; tail -30 "$OUT/build.log"; }
+echo "build: $(( $(date +%s) - start )) s"
+python3 -m pytest -q -rfE -p no:cacheprovider tests/test_kernels.py tests/test_gemm.py tests/test_cuda_reference.py \
+  tests/test_tensor_dispatch.py > "$OUT/gpu_tests.log" 2>&1
+echo "gpu tests rc=$? after $(( $(date +%s) - start )) s"
+grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -15
+if [[ "${1:-}" == "--bench" ]]; then
+  python3 bench/bench_kernels.py --out "$OUT/kernels.json" --sizes 64 1024 > "$OUT/kernels.txt" 2>&1
+  tail -40 "$OUT/kernels.txt"
+  python3 bench/bench_layers.py --out "$OUT/layers.json" > "$OUT/layers.txt" 2>&1
+  tail -30 "$OUT/layers.txt"
+fi
