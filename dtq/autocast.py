@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from dtq.recipe import Float8CurrentScaling, Recipe
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from dtq.parallel.amax import AmaxSync
 
 _local = threading.local()
 
@@ -20,7 +25,8 @@ def _stack() -> list:
 
 
 @contextlib.contextmanager
-def autocast(recipe: Recipe | None = None, enabled: bool = True, *, amax_group=None) -> Iterator[None]:
+def autocast(recipe: Recipe | None = None, enabled: bool = True, *,
+             amax_group: ProcessGroup | None = None) -> Iterator[None]:
     """Run dtq modules under ``recipe`` (default: ``Float8CurrentScaling()``). Nests; the innermost
     wins, and ``enabled=False`` switches quantization off inside. The recipe may change between
     steps: modules look up (and cache) their quantizers per recipe.
@@ -56,7 +62,7 @@ def active_recipe() -> Recipe | None:
     return stack[-1][0] if stack else None
 
 
-def active_amax_sync():
+def active_amax_sync() -> AmaxSync | None:
     """The :class:`dtq.parallel.amax.AmaxSync` of the innermost ``autocast(amax_group=...)``, or None."""
     stack = _stack()
     return stack[-1][1] if stack else None
