@@ -115,20 +115,22 @@ __global__ void __launch_bounds__(kThreads) axis_amax_kernel(const T* __restrict
     const int64_t r = row0 + i;
     if (r >= M || col >= K) continue;
     const T* p = x + r * K + col;
-    alignas(16) T e[8];
+    uint32_t b[8];
     if (vec) {
+      alignas(16) T e[8];
 #pragma unroll
       for (int q = 0; q < int(sizeof(T)) / 2; ++q)
         reinterpret_cast<uint4*>(e)[q] = __ldg(reinterpret_cast<const uint4*>(p) + q);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) b[j] = abs_bits(to_f32(e[j]));
     } else {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) e[j] = col + j < K ? p[j] : T(0.f);
+      for (int j = 0; j < 8; ++j) b[j] = col + j < K ? abs_bits(to_f32(p[j])) : 0u;
     }
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const uint32_t b = abs_bits(to_f32(e[j]));
-      ra[i] = umax(ra[i], b);
-      ca[j] = umax(ca[j], b);
+      ra[i] = umax(ra[i], b[j]);
+      ca[j] = umax(ca[j], b[j]);
     }
   }
   if (rows) {
@@ -191,8 +193,8 @@ void launch(const at::Tensor& x, uint32_t* out, bool want_x, int64_t signs) {
 void axis_amax(const at::Tensor& x, const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& cols) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "dtq kernels: x must be a contiguous 2-D CUDA tensor");
   const int64_t M = x.size(0), K = x.size(1);
-  auto stream = c10::cuda::getCurrentCUDAStream();
   const c10::cuda::CUDAGuard guard(x.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();  // x's device's stream: after the guard
   uint32_t* ptr[2] = {nullptr, nullptr};
   const c10::optional<at::Tensor>* outs[2] = {&rows, &cols};
   for (int i = 0; i < 2; ++i) {

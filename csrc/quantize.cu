@@ -529,7 +529,9 @@ void quantize_fused(const at::Tensor& x, const std::vector<int64_t>& cfg_a, cons
     TORCH_CHECK(!s->hadamard || (s->kind == kNVFP4 && s->br == 16 && s->bc == 1),
                 "dtq kernels: the Hadamard transform is for columnwise NVFP4");
   }
-  TORCH_CHECK(!(a.br > 1 && a.bc == 1 && b.br > 1 && b.bc == 1), "dtq kernels: at most one slot may be columnwise");
+  // The cast pass keeps one set of per-column multipliers (colm): column blocks or FP8 row-wise columns.
+  auto per_column = [](const SlotCfg& s) { return (s.br > 1 && s.bc == 1) || (s.kind == kFp8Row && s.bc == 1); };
+  TORCH_CHECK(!(per_column(a) && per_column(b)), "dtq kernels: at most one slot may be columnwise");
   if (vec_ok && fast_enabled()) {
     bool done = false;
     switch (x.scalar_type()) {

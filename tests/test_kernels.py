@@ -231,10 +231,31 @@ def test_axis_amax_matches_torch(shape, dtype):
 
 
 @needs_cuda
-def test_large_tensor_many_tiles():
-    q = HYBRID["mxfp8/nvfp4_rht_sr"]
-    x = (torch.randn(2048, 1536) * 10).bfloat16()
-    _compare(q.quantize(x.cuda(), seed=3), q.quantize(x, seed=3), "large hybrid")
+@pytest.mark.parametrize("name", ["mxfp8/nvfp4_rht_sr", "fp8_row/mxfp8", "fp8_row"])
+def test_large_tensor_many_tiles(name):
+    """More tiles than the generic kernel's persistent CTAs (the hybrids), and many tiles of the
+    specialised one."""
+    q = ALL[name]
+    x = (torch.randn(2048, 1536) * torch.logspace(-2, 2, 1536)).bfloat16()
+    _compare(q.quantize(x.cuda(), seed=3), q.quantize(x, seed=3), f"large {name}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", [(130, 203), (7, 1), (1, 9)], ids=str)
+def test_fp8_row_dequantize_odd_shapes(shape):
+    """FP8 row-wise dequantize through the FP8 block kernel with (1, K) / (M, 1) blocks, on shapes
+    that take its element-wise path (K % 8 != 0), to fp32 and bf16 (exact with pow2 scales)."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(9)) * 30
+    for q in (PLAIN["fp8_row"], PLAIN["fp8_row_e5m2_pow2"]):
+        cpu = q.quantize(x)
+        gpu = cpu.cuda()
+        for d in cpu.directions:
+            sub, codec = q.for_direction(d), codec_for(q.for_direction(d))
+            assert codec.kernel_dequantize(sub, gpu.payload(d), d, shape) is not None
+            ref = codec.dequantize(sub, cpu.payload(d), d, shape)
+            assert torch.equal(codec.dequantize(sub, gpu.payload(d), d, shape).cpu(), ref), (q, d)
+            got16, _ = codec.dequantize_factored(sub, gpu.payload(d), d, shape, torch.bfloat16)
+            assert torch.equal(got16.cpu(), ref.to(torch.bfloat16)), (q, d)
 
 
 def test_cpu_loader_reports_unavailable_and_quantize_works(monkeypatch):
