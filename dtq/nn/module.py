@@ -158,6 +158,11 @@ class QuantizedModule(torch.nn.Module):
         state.pop("_dtq_amax_sync", None)
         return state
 
+    # torch.compile: the GEMM (recipe lookup, quantize, scaled or emulated GEMM, the autograd
+    # function, TP communication) runs eagerly as a graph break; compile fuses what lies between
+    # dtq modules (norms, activations, attention). Dynamo cannot trace the ambient recipe, the
+    # payload dicts or the kernels' extension calls.
+    @torch.compiler.disable
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemm: int = 0) -> torch.Tensor:
         name = f"{type(self).__name__} {self.name!r}{self.gemm_suffixes()[gemm]}"
         spec = self._dtq_tp.get(gemm) if self._dtq_tp else None  # set by dtq.parallel's TP styles

@@ -1,0 +1,123 @@
+"""torch.compile on models with dtq modules. dtq's GEMMs (quantize, scaled or emulated GEMM, their
+backward, TP communication) run eagerly as graph breaks; compile fuses what lies between them.
+Between bitwise-exact ops (ReLU) the compiled model gives the eager model's bits; compiled norms
+differ from eager ones only by fp32 rounding. Also FSDP2 over compiled blocks (real gloo ranks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import dtq
+from dtq.testing import spawn
+
+H = 64
+RECIPES = {
+    "fp8": dtq.Float8CurrentScaling,
+    "fp8_row": dtq.Float8RowwiseScaling,
+    "hybrid": lambda: dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling()),  # SR gradients
+}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _mlp(quantized_params: bool, recipe):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(H, 2 * H), torch.nn.ReLU(), torch.nn.Linear(2 * H, H))
+    return dtq.convert(m, recipe=recipe if quantized_params else None, quantized_params=quantized_params)
+
+
+def _step(model, x, recipe, seed=5):
+    """Output, input grad and parameter grads of one step (SR seeds drawn from the same RNG state)."""
+    torch.manual_seed(seed)
+    x = x.detach().clone().requires_grad_()
+    with dtq.autocast(recipe):
+        y = model(x)
+    y.float().square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return [y.detach(), x.grad, *grads]
+
+
+def _local(t):
+    t = t._local_tensor if hasattr(t, "_local_tensor") else t
+    return t.__dtq_unwrap__() if hasattr(t, "__dtq_unwrap__") else t
+
+
+MODULES = {
+    "linear_relu_linear": None,  # _mlp
+    "layernorm_mlp_swiglu": lambda: dtq.nn.LayerNormMLP(H, 2 * H, activation="swiglu"),
+    "layernorm_linear": lambda: dtq.nn.LayerNormLinear(H, H),
+}
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("module", list(MODULES))
+def test_compiled_model_gives_the_eager_bits(recipe, module):
+    """aot_eager (dynamo + AOTAutograd, aten ops run as they are): bitwise the eager model's outputs
+    and gradients, twice (the second call runs the cached graphs); quantized parameters too."""
+    r = RECIPES[recipe]()
+    x = torch.randn(32, H, generator=torch.Generator().manual_seed(1))
+    variants = [False, True] if MODULES[module] is None else [False]
+    for quantized_params in variants:
+        def make():
+            if MODULES[module] is None:
+                return _mlp(quantized_params, r)
+            torch.manual_seed(0)
+            return MODULES[module]()
+        eager = _step(make(), x, r)
+        compiled = torch.compile(make(), backend="aot_eager")
+        for _ in range(2):
+            got = _step(compiled, x, r)
+            for a, b in zip(got, eager):
+                assert torch.equal(_local(a), _local(b)), (module, recipe, quantized_params)
+
+
+def test_inductor_compiles_around_dtq_gemms():
+    """The default backend (inductor's generated code between the GEMMs: ReLU, bitwise exact)."""
+    r = RECIPES["hybrid"]()
+    x = torch.randn(32, H, generator=torch.Generator().manual_seed(2))
+    eager = _step(_mlp(False, r), x, r)
+    with dtq.gemm.record_paths() as paths:
+        got = _step(torch.compile(_mlp(False, r)), x, r)
+    assert len(paths) == 6  # three GEMMs per dtq Linear ran (eagerly)
+    for a, b in zip(got, eager):
+        assert torch.equal(_local(a), _local(b))
+
+
+def _fsdp_compiled_blocks(rank, world, quantized_params):
+    r = RECIPES["hybrid"]()
+    mesh = init_device_mesh("cpu", (world,))
+
+    def sharded(compile_blocks: bool):
+        torch.manual_seed(0)
+        blocks = [_mlp(quantized_params, r) for _ in range(2)]
+        if compile_blocks:  # torchtitan's order: compile each block, then shard it
+            blocks = [torch.compile(b, backend="aot_eager") for b in blocks]
+        model = torch.nn.Sequential(*blocks)
+        for b in model:
+            fully_shard(b, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    x = torch.randn(16, H, generator=torch.Generator().manual_seed(10 + rank))
+    eager = _step(sharded(False), x, r)
+    dtq.parallel.comm_stats(reset=True)
+    got = _step(sharded(True), x, r)
+    stats = dtq.parallel.comm_stats(reset=True)
+    assert stats and all(k in ("mxfp8/rowwise", "nvfp4/columnwise") for k in stats), stats  # still quantized gathers
+    for a, b in zip(got, eager):
+        assert torch.equal(_local(a), _local(b))
+    dist.barrier()
+
+
+@pytest.mark.parametrize("quantized_params", [False, True])
+def test_fsdp2_over_compiled_blocks(quantized_params):
+    spawn(_fsdp_compiled_blocks, 2, quantized_params)
