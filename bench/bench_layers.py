@@ -1,5 +1,6 @@
 """Layer benchmark: Llama-3-8B-shaped Linear and SwiGLU MLP, forward + backward, BF16 vs every dtq
-recipe, two hybrids, and torchao float8 (tensorwise and rowwise, eager and torch.compile'd), in one run.
+recipe, two hybrids, and torchao float8 (tensorwise and rowwise, eager and torch.compile'd), in one run;
+on a GPU also BF16 and dtq FP8 under torch.compile (dtq's GEMMs eager, the rest fused).
 
     python bench/bench_layers.py --out bench/results_layers.json
     python bench/bench_layers.py --smoke        # tiny shapes, any device: checks the script runs
@@ -166,6 +167,10 @@ def main() -> None:
         for name, recipe in recipes().items():
             candidates[f"dtq {name}"] = (dtq.convert(copy.deepcopy(base)), recipe)
         if device.type == "cuda":
+            # torch.compile around dtq's (eager) GEMMs fuses the rest, e.g. SwiGLU's silu * up:
+            # beside the BF16 model compiled the same way
+            candidates["bf16 compiled"] = (torch.compile(copy.deepcopy(base)), None)
+            candidates["dtq fp8 compiled"] = (torch.compile(dtq.convert(copy.deepcopy(base))), recipes()["fp8"])
             candidates.update({k: (m, None) for k, m in torchao_models(base).items()})
         bf16_ms = None
         for name, (model, recipe) in candidates.items():
