@@ -81,6 +81,9 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, cfg: Config, recipe=No
         apply_tensor_parallel(model, mesh, cfg)
     if cfg.train.quantized_params:
         dtq.convert(model, recipe=recipe, quantized_params=True, module_filter_fn=lambda m, fqn: False)
+    if cfg.train.compile:
+        for block in model.blocks:  # in place: parameter names and FSDP2's per-block units stay as they are
+            block.compile()
     dp = data_parallel_mesh(mesh)
     mp = None
     if cfg.train.dtype == "bfloat16":
