@@ -34,7 +34,8 @@ def autocast(recipe: Recipe | None = None, enabled: bool = True, *,
     ``amax_group``: a process group (typically the data-parallel one) whose ranks keep identical
     delayed-scaling amax histories, as TransformerEngine's ``fp8_group`` does: the amaxes this
     region's modules record are MAX-reduced over it in one all-reduce when the region exits, and
-    those of their backward in one all-reduce at the end of the backward pass. Every rank of the
+    those of their backward in one all-reduce at the end of the backward pass (see
+    :class:`dtq.parallel.amax.AmaxSync`). Every rank of the
     group must run the same dtq modules in the same order. Recipes without histories ignore it;
     nested regions without their own share the enclosing one's."""
     if recipe is not None and not isinstance(recipe, Recipe):

@@ -218,17 +218,23 @@ def _row_scales(op: Operand, is_b: bool) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def _rowwise_cublas() -> bool:
+    """Whether torch runs row-wise scaled GEMMs through cuBLAS (CUDA 12.9 and later) rather than
+    its CUTLASS kernel, which takes fewer output and operand types."""
+    return tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]) >= (12, 9)
+
+
 def _rowwise_out_dtypes() -> tuple[torch.dtype, ...]:
-    """Outputs of torch's row-wise scaled GEMM: BF16 (its CUTLASS kernel); also fp32 where it runs
-    through cuBLAS (CUDA 12.9 and later)."""
-    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
-    return (torch.bfloat16, torch.float32) if cuda >= (12, 9) else (torch.bfloat16,)
+    """Outputs of torch's row-wise scaled GEMM: BF16; also fp32 through cuBLAS."""
+    return (torch.bfloat16, torch.float32) if _rowwise_cublas() else (torch.bfloat16,)
 
 
-# FP8 operand pairs torch's row-wise scaled GEMM takes on Hopper (bench/probe_rowwise_mm.py:
-# E4M3 x E4M3 and one E5M2 operand, as an E5M2 gradient meets an E4M3 weight or input).
-_ROWWISE_PAIRS = {(torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e5m2, torch.float8_e4m3fn),
-                  (torch.float8_e4m3fn, torch.float8_e5m2)}
+def _rowwise_pairs() -> frozenset:
+    """FP8 (a, b) element types of torch's row-wise scaled GEMM on Hopper: E4M3 x E4M3 and E5M2 x
+    E4M3 (an E5M2 gradient against an E4M3 operand); E4M3 x E5M2 only through cuBLAS
+    (bench/probe_rowwise_mm.py, CUDA 13.0: all three)."""
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    return frozenset({(e4, e4), (e5, e4)} | ({(e4, e5)} if _rowwise_cublas() else set()))
 
 
 def _fp8_rowwise_ok(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
@@ -239,7 +245,7 @@ def _fp8_rowwise_ok(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
         return False
     if out_dtype not in _rowwise_out_dtypes():
         return False
-    if (a.quantizer.dtype, b.quantizer.dtype) not in _ROWWISE_PAIRS:
+    if (a.quantizer.dtype, b.quantizer.dtype) not in _rowwise_pairs():
         return False
     (m, k), (_, n) = a.logical_shape(), b.logical_shape()
     return m % 16 == 0 and k % 16 == 0 and n % 16 == 0

@@ -90,6 +90,6 @@ def load(path: str | pathlib.Path, model, optimizer, device: torch.device) -> di
     elif rank == 0:
         warnings.warn(f"checkpoint {path} was written by {train_state['world_size']} ranks, this run has "
                       f"{dist.get_world_size()}: model and optimizer are resharded, but the RNG streams (stochastic "
-                      "rounding seeds) and per-rank amax histories start afresh, so the run is not bitwise the "
+                      "rounding seeds) and delayed-scaling amax histories start afresh, so the run is not bitwise the "
                       "uninterrupted one", stacklevel=2)
     return train_state

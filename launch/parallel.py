@@ -5,6 +5,8 @@ consecutive, then the FSDP2 shards of one HSDP replica."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -45,7 +47,7 @@ def tp_plan(sequence_parallel: bool) -> dict:
             "mlp": dtq.parallel.LayerNormMLPParallel(sequence_parallel=sequence_parallel)}
 
 
-def tp_weight_dims(model: torch.nn.Module) -> dict[int, dict[str, int]]:
+def tp_weight_dims(model: torch.nn.Module) -> dict[int, Mapping[str, int]]:
     """``{id(module): {weight name: dim TP splits}}`` for the GEMM modules ``tp_plan`` shards."""
     plan = tp_plan(False)
     return {id(block.get_submodule(name)): style.weight_dims for block in model.blocks for name, style in plan.items()}

@@ -7,6 +7,8 @@ that names the config keys to change, instead of a traceback from inside a rank.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import dtq
 from dtq.formats import codec_for
 from dtq.nn import QuantizedModule
@@ -28,8 +30,15 @@ def _directions(recipe: dtq.Recipe, tensor_type: str) -> tuple[str, ...]:
     return ("rowwise", "columnwise")
 
 
+def _split_operand(weight_dim: int | None, tensor_type: str) -> bool:
+    """Whether tensor parallelism splits this operand: the weight whenever it splits the weight,
+    the input with the weight's K (dim 1), the output gradient with its N (dim 0)."""
+    return weight_dim is not None and {"weight": True, "input": weight_dim == 1,
+                                       "grad_output": weight_dim == 0}[tensor_type]
+
+
 def check_shapes(model, recipe: dtq.Recipe | None, tokens_per_rank: int, fsdp_world: int, tp: int = 1,
-                 tp_dims: dict[int, dict[str, int]] | None = None) -> None:
+                 tp_dims: dict[int, Mapping[str, int]] | None = None) -> None:
     """Raise ValueError naming the module, the operand and the config keys when ``recipe`` cannot
     quantize one of ``model``'s GEMM operands, or FSDP2 over ``fsdp_world`` ranks would split a
     block of a gathered weight. With ``tp > 1``, ``tp_dims`` (``parallel.tp_weight_dims``) says
@@ -64,7 +73,7 @@ def check_shapes(model, recipe: dtq.Recipe | None, tokens_per_rank: int, fsdp_wo
                         codec_for(sub).check_shape(sub, shapes[role.tensor_type], d)
                     except ValueError as e:
                         problems.append(f"{role.name} {role.tensor_type} ({_WHY[role.tensor_type]}"
-                                        f"{_TP if wname in split else ''}): {e}")
+                                        f"{_TP if _split_operand(split.get(wname), role.tensor_type) else ''}): {e}")
                     if role.tensor_type == "weight" and fsdp_world > 1:
                         rows = -(-n // fsdp_world)
                         need = q.block_rows(d)

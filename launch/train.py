@@ -128,7 +128,7 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto") 
     # shard of the data-parallel world reads its own slice of the global batch.
     dp_world, dp_rank = world // cfg.parallel.tp, rank // cfg.parallel.tp
     preflight.check_shapes(model, recipe, tokens_per_rank, dp_world // cfg.parallel.replicate, cfg.parallel.tp,
-                           parallel.tp_weight_dims(model) if cfg.parallel.tp > 1 else None)
+                           parallel.tp_weight_dims(model) if cfg.parallel.tp > 1 and cfg.model.kind == "dtq" else None)
     mesh = parallel.make_mesh(device, world, cfg.parallel.tp, cfg.parallel.replicate)
     model = parallel.parallelize(model, mesh, cfg, recipe)
     model.recompute = tc.recompute

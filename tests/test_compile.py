@@ -17,6 +17,7 @@ from dtq.testing import spawn
 H = 64
 RECIPES = {
     "fp8": dtq.Float8CurrentScaling,
+    "fp8_delayed": dtq.DelayedScaling,
     "fp8_row": dtq.Float8RowwiseScaling,
     "hybrid": lambda: dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling()),  # SR gradients
 }
@@ -29,10 +30,25 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+class ReLUMLP(torch.nn.Module):
+    """Straight-line forward: dynamo resumes after each dtq GEMM's graph break and compiles the
+    ReLU (inside an nn.Sequential's loop a graph break makes dynamo run the whole frame eagerly)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(H, 2 * H), torch.nn.Linear(2 * H, H)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)) * 0.5)
+
+
 def _mlp(quantized_params: bool, recipe):
     torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(H, 2 * H), torch.nn.ReLU(), torch.nn.Linear(2 * H, H))
-    return dtq.convert(m, recipe=recipe if quantized_params else None, quantized_params=quantized_params)
+    return dtq.convert(ReLUMLP(), recipe=recipe if quantized_params else None, quantized_params=quantized_params)
+
+
+def _compiled_graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def _step(model, x, recipe, seed=5):
@@ -67,18 +83,21 @@ def test_compiled_model_gives_the_eager_bits(recipe, module):
     r = RECIPES[recipe]()
     x = torch.randn(32, H, generator=torch.Generator().manual_seed(1))
     variants = [False, True] if MODULES[module] is None else [False]
+    torch._dynamo.utils.counters.clear()
     for quantized_params in variants:
         def make():
             if MODULES[module] is None:
                 return _mlp(quantized_params, r)
             torch.manual_seed(0)
             return MODULES[module]()
-        eager = _step(make(), x, r)
-        compiled = torch.compile(make(), backend="aot_eager")
+        eager_model, compiled_model = make(), make()
+        compiled = torch.compile(compiled_model, backend="aot_eager")
         for _ in range(2):
+            eager = _step(eager_model, x, r)  # the same step count on both (delayed scaling histories)
             got = _step(compiled, x, r)
             for a, b in zip(got, eager):
                 assert torch.equal(_local(a), _local(b)), (module, recipe, quantized_params)
+    assert _compiled_graphs() > 0  # something was compiled (a later variant may reuse the graphs)
 
 
 def test_inductor_compiles_around_dtq_gemms():
@@ -86,9 +105,11 @@ def test_inductor_compiles_around_dtq_gemms():
     r = RECIPES["hybrid"]()
     x = torch.randn(32, H, generator=torch.Generator().manual_seed(2))
     eager = _step(_mlp(False, r), x, r)
+    torch._dynamo.utils.counters.clear()
     with dtq.gemm.record_paths() as paths:
         got = _step(torch.compile(_mlp(False, r)), x, r)
     assert len(paths) == 6  # three GEMMs per dtq Linear ran (eagerly)
+    assert _compiled_graphs() > 0  # and inductor compiled the rest
     for a, b in zip(got, eager):
         assert torch.equal(_local(a), _local(b))
 

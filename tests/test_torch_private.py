@@ -60,3 +60,20 @@ def test_checkpoint_and_backward_detection():
     assert seen["inside"][0] == (True, False), "torch.utils.checkpoint's _checkpoint_hook is no longer detectable"
     assert seen["inside"][1][1] is True, "torch._C._current_graph_task_id() no longer marks a recompute in backward"
     assert priv.in_backward() is False and priv.inside_checkpoint_forward() is False
+    # a callback queued inside backward runs once that backward pass is over
+    order = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            order.append(("backward", priv.graph_task_id() != -1))
+            priv.at_end_of_backward(lambda: order.append(("callback", None)))
+            return g
+
+    y = Probe.apply(x) * 2
+    y.sum().backward()
+    assert order == [("backward", True), ("callback", None)], "the autograd engine's queue_callback moved"

@@ -37,7 +37,13 @@ class Slot:
         cur = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
         if group is not None:  # a sequence-parallel shard: the history tracks the whole tensor
             torch.distributed.all_reduce(cur, op=torch.distributed.ReduceOp.MAX, group=group)
-        past = hist[0] if self.most_recent else hist.amax()
+        # Under autocast(amax_group=...), the newest entries of this region are local until the
+        # flush: the scale comes from the shared ones before them (zeros if none are left).
+        shared = hist[sync.pending(hist):] if sync is not None else hist
+        if shared.numel() == 0:
+            past = torch.zeros((), dtype=hist.dtype, device=hist.device)
+        else:
+            past = shared[0] if self.most_recent else shared.amax()
         amax = torch.where(past > 0, past, cur.to(hist.device)) * (2.0 ** self.margin)  # first step: current
         hist.copy_(torch.roll(hist, 1))
         hist[0] = cur
@@ -206,8 +212,7 @@ class LinearFn(torch.autograd.Function):
         scatter = ctx.group if ctx.tp is not None and ctx.tp.scatters_output else None
         dx = dw = db = None
         if ctx.override is None:
-            sync = ctx.amax_sync.for_backward() if ctx.amax_sync is not None else None
-            gq = ctx.sg.quantize(dy2, rowwise=need_dgrad, columnwise=need_wgrad, group=scatter, sync=sync)
+            gq = ctx.sg.quantize(dy2, rowwise=need_dgrad, columnwise=need_wgrad, group=scatter, sync=ctx.amax_sync)
             if need_dgrad:
                 if isinstance(saved_w, QuantizedTensor) and not saved_w.has(COLUMNWISE):
                     raise RuntimeError(f"dtq: {ctx.name}: the weight has no columnwise payload for dgrad (it holds "

@@ -225,7 +225,12 @@ class QuantizedModule(torch.nn.Module):
         return y
 
     def reset_parameters(self) -> None:
-        """nn.Linear's initialization for every GEMM weight and bias (for meta-device init)."""
+        """nn.Linear's initialization for every GEMM weight and bias, and empty delayed-scaling
+        histories (for meta-device init: ``to_empty`` leaves buffers uninitialized)."""
+        with torch.no_grad():
+            for name, buf in self.named_buffers(recurse=False):
+                if name.startswith("amax_history_"):
+                    buf.zero_()
         for wname in self.weight_names():
             w = getattr(self, wname)
             data = w.__dtq_unwrap__() if hasattr(w, "__dtq_unwrap__") else w

@@ -89,4 +89,15 @@ def inside_checkpoint_forward() -> bool:
 def in_backward() -> bool:
     """True while the autograd engine runs a backward pass on this thread (a module forward then
     is a recompute)."""
-    return torch._C._current_graph_task_id() != -1
+    return graph_task_id() != -1
+
+
+def graph_task_id() -> int:
+    """The running backward pass (autograd graph task), -1 outside backward."""
+    return torch._C._current_graph_task_id()
+
+
+def at_end_of_backward(fn) -> None:
+    """Run ``fn`` once the running backward pass (graph task) has finished its work (call it
+    inside backward)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)

@@ -15,41 +15,53 @@ import torch
 import torch.distributed as dist
 
 from dtq.formats import DIRECTIONS, Quantizer, codec_for
+from dtq.parallel import _torch_private
 
 
 class AmaxSync:
     """The delayed-scaling amaxes of one ``dtq.autocast(amax_group=...)`` region, reduced over the
-    group so that every rank's histories (hence scales and checkpointed buffers) agree. A module
-    writes its local current amax into entry 0 of its history and registers the history here;
-    ``flush`` MAX-reduces all registered entries in one all-reduce and writes them back. The
-    scale of a step comes from earlier entries, so reducing at the end of the forward (and of the
-    backward, for gradient histories) changes no scale of the step itself."""
+    group so that every rank's histories (hence scales and checkpointed buffers) agree.
 
-    def __init__(self, group):
+    A module pushes its local current amax into its history (entry 0) and registers the history
+    here; until the flush, its scales come only from the entries before the pending ones
+    (``pending``), which every rank shares. ``flush`` MAX-reduces all pending entries in one
+    all-reduce and writes them back: at the region's exit, and at the end of each backward pass
+    that recorded gradient amaxes (with reentrant recompute, each recomputed segment's backward
+    is a backward pass of its own)."""
+
+    def __init__(self, group: dist.ProcessGroup):
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("dtq.autocast(amax_group=...) reduces amaxes over a process group, but torch.distributed "
                                "is not initialized: call torch.distributed.init_process_group first, or leave "
                                "amax_group=None in a single-process run")
         self.group = group
-        self._pending: list[torch.Tensor] = []
-        self._backward_flush_queued = False
+        self._pending: dict[int, tuple[torch.Tensor, int]] = {}  # id(history) -> (history, entries pushed)
+        self._queued_in: set[int] = set()  # backward passes (graph tasks) with a flush queued
+
+    def pending(self, history: torch.Tensor) -> int:
+        """How many of ``history``'s newest entries are local amaxes not reduced yet."""
+        return self._pending.get(id(history), (history, 0))[1]
 
     def add(self, history: torch.Tensor) -> None:
-        self._pending.append(history)
+        """Register the local amax just pushed into ``history[0]``; inside backward, make sure
+        this backward pass ends with a flush."""
+        self._pending[id(history)] = (history, self.pending(history) + 1)
+        task = _torch_private.graph_task_id()
+        if task != -1 and task not in self._queued_in:
+            self._queued_in.add(task)
+            _torch_private.at_end_of_backward(lambda: self._flush_backward(task))
 
-    def for_backward(self) -> "AmaxSync":
-        """This sync, with a flush queued for the end of the running backward pass (once)."""
-        if not self._backward_flush_queued:
-            self._backward_flush_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
-        return self
+    def _flush_backward(self, task: int) -> None:
+        self._queued_in.discard(task)
+        self.flush()
 
     @torch.no_grad()
     def flush(self) -> None:
-        pending, self._pending = self._pending, []
-        self._backward_flush_queued = False
-        for hist, amax in zip(pending, all_reduce_max([h[0] for h in pending], self.group)):
-            hist[0] = amax
+        """One all-reduce of every pending entry (the same list on every rank of the group)."""
+        pending, self._pending = list(self._pending.values()), {}
+        entries = [hist[:min(n, hist.numel())] for hist, n in pending]
+        for (hist, _), reduced in zip(pending, all_reduce_max(entries, self.group)):
+            hist[:reduced.numel()] = reduced
 
 
 def all_reduce_max(tensors: Sequence[torch.Tensor], group) -> list[torch.Tensor]:

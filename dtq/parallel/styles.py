@@ -16,6 +16,9 @@ Apply the styles to high-precision weights, then quantize them if wanted
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
@@ -86,7 +89,7 @@ class _DtqStyle(ParallelStyle):
     gives the shapes a rank's GEMMs see before the style is applied (e.g. for shape checks)."""
 
     accepts: tuple[type, ...] = ()
-    weight_dims: dict[str, int] = {}
+    weight_dims: Mapping[str, int] = MappingProxyType({})
 
     def __init__(self, *, sequence_parallel: bool = False, use_local_output: bool = True):
         super().__init__()
@@ -134,7 +137,7 @@ class ColwiseParallel(_DtqStyle):
     feature shard (a ``Shard(-1)`` DTensor if ``use_local_output=False``)."""
 
     accepts = (Linear, LayerNormLinear)
-    weight_dims = {"weight": 0}
+    weight_dims = MappingProxyType({"weight": 0})
 
     def _input_placement(self):
         return Shard(0) if self.sequence_parallel else Replicate()
@@ -160,7 +163,7 @@ class RowwiseParallel(_DtqStyle):
     (then the gradient is gathered quantized inside the GEMM)."""
 
     accepts = (Linear,)
-    weight_dims = {"weight": 1}
+    weight_dims = MappingProxyType({"weight": 1})
 
     def _input_placement(self):
         return Shard(-1)
@@ -184,7 +187,7 @@ class LayerNormMLPParallel(_DtqStyle):
     each fc1 shard holds matching gate/up rows."""
 
     accepts = (LayerNormMLP,)
-    weight_dims = {"fc1_weight": 0, "fc2_weight": 1}
+    weight_dims = MappingProxyType({"fc1_weight": 0, "fc2_weight": 1})
 
     def _input_placement(self):
         return Shard(0) if self.sequence_parallel else Replicate()
