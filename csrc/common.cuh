@@ -190,11 +190,9 @@ __device__ __forceinline__ uint32_t rand_at(uint32_t key, uint64_t idx) {
   return hash32(uint32_t(idx & 0xFFFFFFFFull) ^ key);
 }
 
-// 16-point Walsh-Hadamard of v (in place) after multiplying by the signs, then * 0.25: the exact
-// operation order of _bits.hadamard_rows (four butterfly stages of a + b, a - b).
-__device__ __forceinline__ void hadamard16(float (&v)[16], int signs) {
-#pragma unroll
-  for (int i = 0; i < 16; ++i) v[i] = __fmul_rn(v[i], ((signs >> i) & 1) ? -1.f : 1.f);
+// The unnormalized 16-point Walsh-Hadamard transform of v, in place: four butterfly stages of
+// a + b, a - b (h = 1, 2, 4, 8), the operation order of _bits.hadamard_rows.
+__device__ __forceinline__ void walsh16(float (&v)[16]) {
 #pragma unroll
   for (int h = 1; h < 16; h *= 2) {
 #pragma unroll
@@ -206,6 +204,13 @@ __device__ __forceinline__ void hadamard16(float (&v)[16], int signs) {
       }
     }
   }
+}
+
+// The random Hadamard T = H16 / 4 . diag(signs) of v (in place): signs, walsh16, * 0.25.
+__device__ __forceinline__ void hadamard16(float (&v)[16], int signs) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = __fmul_rn(v[i], ((signs >> i) & 1) ? -1.f : 1.f);
+  walsh16(v);
 #pragma unroll
   for (int i = 0; i < 16; ++i) v[i] = __fmul_rn(v[i], 0.25f);
 }

@@ -132,17 +132,7 @@ __global__ void __launch_bounds__(kThreads) dequant_hadamard_kernel(DeqCfg d, Ou
     float v[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) v[i] = element(d, s_enc, g * 16 + i, c);
-#pragma unroll
-    for (int h = 1; h < 16; h *= 2) {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        if ((i & h) == 0) {
-          float a = v[i], b = v[i + h];
-          v[i] = __fadd_rn(a, b);
-          v[i + h] = __fsub_rn(a, b);
-        }
-      }
-    }
+    walsh16(v);
 #pragma unroll
     for (int i = 0; i < 16; ++i)
       store(out + (g * 16 + i) * d.K + c, __fmul_rn(__fmul_rn(v[i], 0.25f), ((d.signs >> i) & 1) ? -1.f : 1.f));
