@@ -35,9 +35,9 @@ def autocast(recipe: Recipe | None = None, enabled: bool = True, *,
     delayed-scaling amax histories, as TransformerEngine's ``fp8_group`` does: the amaxes this
     region's modules record are MAX-reduced over it in one all-reduce when the region exits, and
     those of their backward in one all-reduce at the end of the backward pass (see
-    :class:`dtq.parallel.amax.AmaxSync`). Every rank of the
-    group must run the same dtq modules in the same order. Recipes without histories ignore it;
-    nested regions without their own share the enclosing one's."""
+    :class:`dtq.parallel.amax.AmaxSync`). Every rank of the group must run the same dtq modules
+    in the same order. Recipes without histories ignore it; nested regions without their own
+    share the enclosing one's."""
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(f"dtq.autocast(recipe=...) takes a dtq recipe (e.g. dtq.MXFP8BlockScaling(), "
                         f"dtq.CustomRecipe(factory)), got {type(recipe).__name__}")
