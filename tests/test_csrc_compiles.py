@@ -1,0 +1,59 @@
+"""The CUDA sources compile, on machines without a GPU: the kernels are built on first GPU use, and
+a source that no longer compiles would make every GPU run fall back to the references (with one
+warning), so CI checks it wherever ``nvcc`` exists. Host code is compiled fully; device code to
+the end of nvcc's front end (``--fdevice-syntax-only``: types, templates and overloads are
+checked, no PTX is generated), with the flags of the real build (``dtq.kernels.CUDA_FLAGS`` and
+torch's extension flags). The bits are the GPU tests' business (tests/test_kernels.py)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import torch.utils.cpp_extension as cpp
+
+from dtq import kernels
+
+NVCC = shutil.which("nvcc")
+pytestmark = pytest.mark.skipif(NVCC is None or torch.version.cuda is not None,
+                                reason="needs nvcc and a CPU build of torch (with CUDA torch the GPU tests build "
+                                       "the kernels for real)")
+
+
+def _includes(tmp_path) -> list[str]:
+    # A CPU build of torch ships c10/cuda's headers but not this generated one.
+    stub = tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+    stub.parent.mkdir(parents=True)
+    stub.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    return [f"-I{tmp_path}", *(f"-I{p}" for p in cpp.include_paths()), f"-I{sysconfig.get_paths()['include']}"]
+
+
+def _compile(cmd: list[str]) -> tuple[str, int, str]:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    errors = "\n".join(line for line in proc.stderr.splitlines() if "error" in line)
+    return cmd[-1], proc.returncode, errors or proc.stderr[-2000:]
+
+
+def test_every_source_compiles(tmp_path):
+    inc = _includes(tmp_path)
+    jobs = []
+    for src in kernels.SOURCES:
+        path = str(kernels.CSRC / src)
+        out = str(tmp_path / (src + ".o"))
+        if src.endswith(".cu"):
+            jobs.append([NVCC, "-c", "-o", out, *inc, *cpp.COMMON_NVCC_FLAGS, *kernels.CUDA_FLAGS,
+                         "--fdevice-syntax-only", "-w", path])
+        else:
+            cxx = shutil.which("c++") or shutil.which("g++")
+            if cxx is None:  # the bindings need a host compiler; the .cu files are the point here
+                continue
+            jobs.append([cxx, "-c", "-o", out, *inc, "-std=c++17", "-O0", "-w", "-DTORCH_EXTENSION_NAME=dtq_kernels",
+                         "-fPIC", path])
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(_compile, jobs))
+    failed = [(src, errors) for src, rc, errors in results if rc != 0]
+    assert not failed, "\n\n".join(f"{src}:\n{errors}" for src, errors in failed)
