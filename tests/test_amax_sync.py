@@ -106,6 +106,6 @@ def test_module_called_twice_per_step():
 
 
 def test_amax_group_needs_torch_distributed():
-    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
-        with dtq.autocast(dtq.DelayedScaling(), amax_group=object()):
-            pass
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"), \
+            dtq.autocast(dtq.DelayedScaling(), amax_group=object()):
+        pass

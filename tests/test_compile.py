@@ -85,7 +85,7 @@ def test_compiled_model_gives_the_eager_bits(recipe, module):
     variants = [False, True] if MODULES[module] is None else [False]
     torch._dynamo.utils.counters.clear()
     for quantized_params in variants:
-        def make():
+        def make(quantized_params=quantized_params):
             if MODULES[module] is None:
                 return _mlp(quantized_params, r)
             torch.manual_seed(0)
