@@ -5,6 +5,8 @@ processes, gloo."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -37,11 +39,16 @@ def _steps(rank, world, reduce: bool, recompute: str | None):
     g = torch.Generator().manual_seed(100 + rank)
     for step in range(3):
         x = torch.randn(16, H, generator=g) * (1 + 3 * rank) * (step + 1)  # ranks see different magnitudes
-        with dtq.autocast(recipe, amax_group=dist.group.WORLD if reduce else None):
+        with dtq.autocast(recipe, amax_group=dist.group.WORLD if reduce else None), \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             if recompute is None:
                 y = model(x)
             else:
                 y = torch.utils.checkpoint.checkpoint(model, x.requires_grad_(), use_reentrant=recompute == "reentrant")
+        if step == 0:  # without a group, dtq says once that the histories stay per rank
+            said = any("without dtq.autocast(..., amax_group=...)" in str(w.message) for w in caught)
+            assert said != reduce, [str(w.message) for w in caught]
         (y.float() * torch.linspace(-1, 1, H)).sum().backward()
         hist = _histories(model)
         whole_x = torch.cat(_gathered(x.detach()))

@@ -182,6 +182,12 @@ class QuantizedModule(torch.nn.Module):
             self._dtq_recipe = recipe
             # Where this step's delayed-scaling amaxes are reduced (forward and, later, backward).
             self._dtq_amax_sync = active_amax_sync()
+            if recipe is not None and recipe.delayed and self._dtq_amax_sync is None and _multi_rank():
+                warn_once("delayed-without-amax-group",
+                          f"dtq: {type(recipe).__name__} in a job of {torch.distributed.get_world_size()} ranks without "
+                          "dtq.autocast(..., amax_group=...): each rank keeps amax histories (and scales) of its own "
+                          "activations; pass the data-parallel group to share them, as TransformerEngine's fp8_group "
+                          "does")
             self._dtq_recompute = inside_checkpoint_forward() or (not torch.is_grad_enabled() and weight.requires_grad)
         row_bias = None
         if spec is not None:
@@ -242,6 +248,11 @@ class QuantizedModule(torch.nn.Module):
                 if b is not None:
                     bound = 1 / data.shape[1] ** 0.5 if data.shape[1] > 0 else 0
                     torch.nn.init.uniform_(b, -bound, bound)
+
+
+def _multi_rank() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
+        torch.distributed.get_world_size() > 1
 
 
 def as_weight(t: torch.Tensor, requires_grad: bool = True) -> torch.nn.Parameter:
