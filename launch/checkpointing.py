@@ -64,32 +64,34 @@ def save(out_dir: str | pathlib.Path, step: int, model, optimizer, train_state: 
 def load(path: str | pathlib.Path, model, optimizer, device: torch.device) -> dict:
     """Restore model, optimizer and this rank's RNG state from ``path``; returns the saved train
     state (step, samples consumed, world size). Loaded on another world size, model and optimizer
-    are resharded but RNG streams restart from this rank's current state (with a warning)."""
+    are resharded but RNG streams restart from this rank's current state (with a warning); a rank
+    the checkpoint has no entries for takes rank 0's delayed-scaling histories (the trainer keeps
+    them equal on every rank)."""
     rank = dist.get_rank()
     meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    own_prefix = f"rank{rank}."
+    have_rank = any(k.startswith(f"rank{rank}.") for k in meta)
+    source = f"rank{rank}" if have_rank else "rank0"
     # Delayed-scaling histories appear at a module's first forward: create the ones the
     # checkpoint has so that DCP has somewhere to load them.
-    buffers = {}
-    for key, md in meta.items():
-        if key.startswith(own_prefix + "buffers."):
-            buffers[key[len(own_prefix + "buffers."):]] = torch.zeros(md.size, dtype=md.properties.dtype, device=device)
+    prefix = f"{source}.buffers."
+    buffers = {key[len(prefix):]: torch.zeros(md.size, dtype=md.properties.dtype, device=device)
+               for key, md in meta.items() if key.startswith(prefix)}
     state = _state(model, optimizer, {"step": 0, "samples": 0, "world_size": 0}, device, rank)
-    state[f"rank{rank}"]["buffers"] = buffers
-    have_rank = any(k.startswith(own_prefix) for k in meta)
-    if not have_rank:
-        del state[f"rank{rank}"]
-    dcp.load(state, checkpoint_id=str(path))
-    model.load_state_dict({**state["model"], **(state[f"rank{rank}"]["buffers"] if have_rank else {})})
+    del state[f"rank{rank}"]
+    if have_rank:
+        state[source] = {"rng": _rng_state(device), "buffers": buffers}
+    elif buffers:
+        state[source] = {"buffers": buffers}
+    dcp.load(state, checkpoint_id=str(path))  # fills the tensors of ``state`` (``buffers`` too) in place
+    model.load_state_dict({**state["model"], **buffers})
     optimizer.load_state_dict(state["optim"])
     train_state = state["train"]
     if have_rank and train_state["world_size"] == dist.get_world_size():
-        torch.set_rng_state(state[f"rank{rank}"]["rng"]["cpu"])
-        if device.type == "cuda" and "cuda" in state[f"rank{rank}"]["rng"]:
-            torch.cuda.set_rng_state(state[f"rank{rank}"]["rng"]["cuda"], device)
+        torch.set_rng_state(state[source]["rng"]["cpu"])
+        if device.type == "cuda" and "cuda" in state[source]["rng"]:
+            torch.cuda.set_rng_state(state[source]["rng"]["cuda"], device)
     elif rank == 0:
         warnings.warn(f"checkpoint {path} was written by {train_state['world_size']} ranks, this run has "
                       f"{dist.get_world_size()}: model and optimizer are resharded, but the RNG streams (stochastic "
-                      "rounding seeds) and delayed-scaling amax histories start afresh, so the run is not bitwise the "
-                      "uninterrupted one", stacklevel=2)
+                      "rounding seeds) restart, so the run is not bitwise the uninterrupted one", stacklevel=2)
     return train_state

@@ -9,7 +9,17 @@ import pytest
 import torch
 
 import dtq
-from launch import config, data, metrics, optim, parallel, plot_loss, preflight
+from dtq.testing import spawn
+from launch import (
+    checkpointing,
+    config,
+    data,
+    metrics,
+    optim,
+    parallel,
+    plot_loss,
+    preflight,
+)
 from launch.model import Decoder, rotary
 from launch.recipes import RECIPES, build_recipe
 
@@ -254,3 +264,31 @@ def test_collective_counter_restores_torch_distributed_on_exit():
     with metrics.CollectiveBytes() as counter:
         assert all(getattr(dist, name) is not fn for name, fn in before.items())
     assert all(getattr(dist, name) is fn for name, fn in before.items()) and counter.take() == {}
+
+
+def _save_with_histories(rank, world, path):
+    torch.manual_seed(0)
+    model = dtq.convert(torch.nn.Sequential(torch.nn.Linear(16, 16)), recipe=dtq.DelayedScaling(amax_history_len=4))
+    model[0].amax_history_0_input.copy_(torch.tensor([4.0, 3.0, 2.0, 1.0]))  # equal on every rank, as shared
+    opt = torch.optim.AdamW(model.parameters())
+    checkpointing.save(path, 1, model, opt, {"step": 1, "samples": 2, "world_size": world}, torch.device("cpu"))
+
+
+def _load_on_more_ranks(rank, world, path):
+    import warnings
+
+    torch.manual_seed(1)
+    model = dtq.convert(torch.nn.Sequential(torch.nn.Linear(16, 16)))  # no histories yet
+    opt = torch.optim.AdamW(model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "written by 2 ranks, this run has 4"
+        state = checkpointing.load(checkpointing.checkpoint_dir(path, 1), model, opt, torch.device("cpu"))
+    assert state["step"] == 1
+    assert torch.equal(model[0].amax_history_0_input, torch.tensor([4.0, 3.0, 2.0, 1.0])), rank
+
+
+def test_resume_on_more_ranks_takes_rank0_histories(tmp_path):
+    """Ranks a checkpoint has no entries for (a resume on a larger world) start from rank 0's
+    delayed-scaling histories, which the trainer keeps equal on every rank."""
+    spawn(_save_with_histories, 2, str(tmp_path))
+    spawn(_load_on_more_ranks, 4, str(tmp_path))
