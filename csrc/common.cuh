@@ -90,6 +90,14 @@ __device__ __forceinline__ float scale_from_amax(float amax, float fmax, bool po
   return s;
 }
 
+// kFp8Row: the multiplier of row / column idx (of n) from the slot's amax vector (1 past the end),
+// and, when `store`, its fp32 scale_inv into scale[idx].
+__device__ __forceinline__ float fp8_axis_mult(const SlotCfg& s, int64_t idx, int64_t n, bool store) {
+  const float m = scale_from_amax(idx < n ? __ldg(s.amax_in + idx) : 0.f, s.fmax, s.pow2);
+  if (store && idx < n) reinterpret_cast<float*>(s.scale)[idx] = __frcp_rn(m);
+  return m;
+}
+
 // _bits.cast_fp8 of an fp32 value: saturate, RNE, NaN -> 0x7F.
 __device__ __forceinline__ uint8_t cast_fp8(float v, bool e5m2) {
   if (is_nan(v)) return 0x7F;

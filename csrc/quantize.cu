@@ -396,11 +396,7 @@ __global__ void __launch_bounds__(kThreads) fused_quantize_kernel(const T* __res
     scal[si] = tensor_mult[si];
     if (s.kind == kFp8Row && s.bc == 1) {  // one scale per column (the only columnwise slot)
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const int64_t c = col0 + j;
-        colm[j] = scale_from_amax(c < K ? s.amax_in[c] : 0.f, s.fmax, s.pow2);
-        if (m0 == 0 && rg == 0 && c < K) store_scale(s, c, f2u(__frcp_rn(colm[j])));
-      }
+      for (int j = 0; j < 16; ++j) colm[j] = fp8_axis_mult(s, col0 + j, K, m0 == 0 && rg == 0);
       continue;
     }
     if (!blocks_per_tile(s)) continue;
@@ -429,8 +425,7 @@ __global__ void __launch_bounds__(kThreads) fused_quantize_kernel(const T* __res
       const SlotCfg& s = slot(si);
       if (s.kind == kNone || s.hadamard) continue;
       if (s.kind == kFp8Row && s.br == 1) {  // one scale per row
-        const float m = scale_from_amax(s.amax_in[row], s.fmax, s.pow2);
-        if (col0 == 0) store_scale(s, row, f2u(__frcp_rn(m)));
+        const float m = fp8_axis_mult(s, row, M, col0 == 0);
         if (col0 < K) write_slot_row<T>(s, ch, [&](int) { return m; }, K, row, col0, vec, key[si]);
       } else if (s.br == 1) {  // row blocks of 16 / 32 / 128 along K
         uint32_t am = am16;

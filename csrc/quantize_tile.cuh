@@ -429,11 +429,7 @@ __device__ __forceinline__ void do_slot(const SlotCfg& s, const SlotConst& c, co
       // One scale per row: the thread's 8 rows; lane cv == 0 of the first column tile stores them.
       float m[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int64_t r = row0 + i;
-        m[i] = scale_from_amax(r < M ? __ldg(s.amax_in + r) : 0.f, s.fmax, s.pow2);
-        if (col == 0 && r < M) reinterpret_cast<float*>(s.scale)[r] = __frcp_rn(m[i]);
-      }
+      for (int i = 0; i < 8; ++i) m[i] = fp8_axis_mult(s, row0 + i, M, col == 0);
 #pragma unroll
       for (int i = 0; i < 8; ++i)
         if (row0 + i < M && cok) store_row<S>(s, d, i, [&](int) { return m[i]; }, (row0 + i) * K + col, c.key);
@@ -441,11 +437,7 @@ __device__ __forceinline__ void do_slot(const SlotCfg& s, const SlotConst& c, co
       // One scale per column: the thread's 8 columns; the first 8 rows of the tensor store them.
       float mult[8];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int64_t cj = col + j;
-        mult[j] = scale_from_amax(cj < K ? __ldg(s.amax_in + cj) : 0.f, s.fmax, s.pow2);
-        if (row0 == 0 && cj < K) reinterpret_cast<float*>(s.scale)[cj] = __frcp_rn(mult[j]);
-      }
+      for (int j = 0; j < 8; ++j) mult[j] = fp8_axis_mult(s, col + j, K, row0 == 0);
 #pragma unroll
       for (int i = 0; i < 8; ++i)
         if (row0 + i < M && cok) store_row<S>(s, d, i, [&](int j) { return mult[j]; }, (row0 + i) * K + col, c.key);

@@ -214,12 +214,8 @@ def dequantize(spec: KernelSpec, payload: dict[str, torch.Tensor], shape: tuple[
     if dtype not in (torch.float32, torch.bfloat16):
         return None
     data = payload["data"]
-    if spec.kind not in (FP8_SCALED, MXFP8, NVFP4, FP8_ROW) or not data.is_cuda or not available(data.device):
+    if spec.kind not in (FP8_SCALED, MXFP8, NVFP4) or not data.is_cuda or not available(data.device):
         return None
-    if spec.kind == FP8_ROW:  # the dequantize kernel's FP8 blocks of one whole row / column
-        if 0 in shape:
-            return None
-        spec = dataclasses.replace(spec, kind=FP8_SCALED, block=(1, shape[1]) if spec.block == (1, 0) else (shape[0], 1))
     names = [n for n, _, _ in spec.fields]
     per_tensor = spec.kind == NVFP4 or spec.block == (0, 0)
     scale = None if spec.block == (0, 0) else payload[names[1]]

@@ -92,6 +92,18 @@ class Float8RowwiseCodec(Codec):
                                   amax_vector="cols" if col else "rows")
 
     @classmethod
+    def kernel_dequantize(cls, q: Float8RowwiseQuantizer, payload: Payload, direction: str, shape: tuple[int, int],
+                          factored: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        # The dequantize kernel's FP8 blocks, one per whole row ((1, K)) or column ((M, 1)).
+        data = payload.get("data")
+        if data is None or not data.is_cuda or 0 in shape:
+            return None
+        block = (shape[0], 1) if direction == COLUMNWISE else (1, shape[1])
+        spec = kernels.KernelSpec(kernels.FP8_SCALED, block, cls.kernel_spec(q, direction, shape, torch.float32).fields,
+                                  e5m2=q.dtype == torch.float8_e5m2, pow2=q.pow2_scales)
+        return kernels.dequantize(spec, payload, shape, factored, dtype)
+
+    @classmethod
     def dequantize(cls, q: Float8RowwiseQuantizer, payload: Payload, direction: str,
                    shape: tuple[int, int]) -> torch.Tensor:
         if (out := cls.kernel_dequantize(q, payload, direction, shape)) is not None:
