@@ -16,6 +16,9 @@
    and per-column maxima): input bytes over time, against the copy ceiling (a pure read).
 5. The FP8 code transpose the native GEMMs need (``kernels.transposed``) of codes with the input's
    element count, beside torch's ``.t().contiguous()``.
+6. The elementwise kernels: fused SwiGLU forward / backward with the input as the [T, 2F] gate/up
+   tensor, and the emulated GEMMs' epilogue (fp32 output times two factors, cast to bf16), each
+   beside the eager torch ops it replaces (``reference us``).
 Prints a table and writes JSON (device, torch, copy ceiling, every row) to ``--out``.
 """
 
@@ -157,6 +160,33 @@ def bench_transpose(x, iters: int) -> dict:
             "gbps": 2 * n / ms / 1e6, "ideal_fraction": 1.0, "torch_ms": torch_ms}
 
 
+def bench_elementwise(x, iters: int) -> list[dict]:
+    """SwiGLU forward/backward of x as [T, 2F] and the scale_cast epilogue of an fp32 tensor of
+    x's element count, each against the eager torch ops it replaces."""
+    t, f2 = x.shape
+    dh = torch.randn(t, f2 // 2, device=x.device, dtype=x.dtype)
+    a, b = x.chunk(2, dim=-1)
+    out32 = x.float()
+    fa, fb = torch.tensor(0.5, device=x.device), torch.tensor(3.0, device=x.device)
+    n = x.numel()
+
+    def eager_bwd():
+        da, db = dh * b, dh * torch.nn.functional.silu(a)  # MulBackward, then SiluBackward, then cat
+        return torch.cat((torch.ops.aten.silu_backward(da, a), db), dim=-1)
+
+    cases = [("swiglu forward", lambda: kernels.swiglu(x, f2 // 2), lambda: torch.nn.functional.silu(a) * b,
+              n * 2 + n),  # read [T, 2F], write [T, F] (bf16)
+             ("swiglu backward", lambda: kernels.swiglu_backward(dh, x, f2 // 2), eager_bwd, n + 2 * n * 2),
+             ("gemm epilogue fp32->bf16", lambda: kernels.scale_cast(out32, fa, fb, torch.bfloat16),
+              lambda: (out32 * fa * fb).to(torch.bfloat16), n * 4 + n * 2)]
+    rows = []
+    for name, fused, eager, nbytes in cases:
+        ms = _time_ms(fused, iters)
+        rows.append({"format": name, "dirs": "-", "ms": ms, "in_bytes": nbytes, "out_bytes": 0, "amax_pass": False,
+                     "gbps": nbytes / ms / 1e6, "ideal_fraction": 1.0, "reference_ms": _time_ms(eager, iters)})
+    return rows
+
+
 def bench_reference(q, x, dirs: str, seed: torch.Tensor) -> float:
     os.environ["DTQ_DISABLE_KERNELS"] = "1"
     try:
@@ -218,6 +248,10 @@ def main() -> int:
             r = bench_transpose(x, args.iters)
             r.update(size_mib=size, shape=[m, K], fraction=r["gbps"] / ceiling, reference_ms=r["torch_ms"])
             rows.append(r)
+        if not args.only or "swiglu" in args.only or "epilogue" in args.only:
+            for r in bench_elementwise(x, args.iters):
+                r.update(size_mib=size, shape=[m, K], fraction=r["gbps"] / ceiling)
+                rows.append(r)
         if not args.only or "amax" in args.only:
             for r in bench_amax(x, args.iters):
                 r.update(size_mib=size, shape=[m, K], fraction=r["gbps"] / ceiling)

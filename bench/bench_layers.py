@@ -1,6 +1,7 @@
 """Layer benchmark: Llama-3-8B-shaped Linear and SwiGLU MLP, forward + backward, BF16 vs every dtq
 recipe, two hybrids, and torchao float8 (tensorwise and rowwise, eager and torch.compile'd), in one run;
-on a GPU also BF16 and dtq FP8 under torch.compile (dtq's GEMMs eager, the rest fused).
+on a GPU also BF16 and dtq FP8 under torch.compile (dtq's GEMMs eager, the rest fused). The MLP
+also runs with dtq's fused SwiGLU kernel in place of eager silu * mul ("+fused swiglu"), BF16 too.
 
     python bench/bench_layers.py --out bench/results_layers.json
     python bench/bench_layers.py --smoke        # tiny shapes, any device: checks the script runs
@@ -29,16 +30,21 @@ import dtq
 
 
 class SwiGLU(torch.nn.Module):
-    """RMSNorm, then down(silu(gate(x)) * up(x)) with gate and up fused in one Linear."""
+    """RMSNorm, then down(silu(gate(x)) * up(x)) with gate and up fused in one Linear; ``fused``:
+    the activation by ``dtq.nn.functional.swiglu`` (one kernel each way) instead of eager ops."""
 
-    def __init__(self, hidden: int, ffn: int, dtype, device):
+    def __init__(self, hidden: int, ffn: int, dtype, device, fused: bool = False):
         super().__init__()
+        self.fused = fused
         self.norm = torch.nn.RMSNorm(hidden, dtype=dtype, device=device)
         self.fc1 = torch.nn.Linear(hidden, 2 * ffn, bias=False, dtype=dtype, device=device)
         self.fc2 = torch.nn.Linear(ffn, hidden, bias=False, dtype=dtype, device=device)
 
     def forward(self, x):
-        a, b = self.fc1(self.norm(x)).chunk(2, dim=-1)
+        h = self.fc1(self.norm(x))
+        if self.fused:
+            return self.fc2(dtq.nn.functional.swiglu(h))
+        a, b = h.chunk(2, dim=-1)
         return self.fc2(F.silu(a) * b)
 
 
@@ -166,6 +172,12 @@ def main() -> None:
         candidates = {"bf16": (base, None)}
         for name, recipe in recipes().items():
             candidates[f"dtq {name}"] = (dtq.convert(copy.deepcopy(base)), recipe)
+        if isinstance(base, SwiGLU):  # the same MLPs with dtq's fused SwiGLU (BF16 too, for fairness)
+            fused = copy.deepcopy(base)
+            fused.fused = True
+            candidates["bf16 +fused swiglu"] = (fused, None)
+            for name in ("fp8", "fp8-block", "mxfp8", "nvfp4"):
+                candidates[f"dtq {name} +fused swiglu"] = (dtq.convert(copy.deepcopy(fused)), recipes()[name])
         if device.type == "cuda":
             # torch.compile around dtq's (eager) GEMMs fuses the rest, e.g. SwiGLU's silu * up:
             # beside the BF16 model compiled the same way

@@ -1,7 +1,7 @@
 """Where the time of one dtq layer step goes: torch.profiler over forward + backward of a
-Llama-3-8B-shaped Linear under a recipe, the top CUDA kernels and CPU ops by time.
+Llama-3-8B-shaped Linear or SwiGLU MLP under a recipe, the top CUDA kernels and CPU ops by time.
 
-    python bench/profile_layer.py --recipe fp8 [--tokens 8192 --hidden 4096 --ffn 14336]
+    python bench/profile_layer.py --recipe fp8 [--layer mlp] [--tokens 8192 --hidden 4096 --ffn 14336]
     python bench/profile_layer.py --recipe fp8 --python     # where the host (Python) time goes
 
 With ``--python`` it reports the host time of a step (launches only, not waiting for the GPU)
@@ -20,12 +20,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import dtq
-from bench_layers import recipes, step_fn
+from bench_layers import SwiGLU, recipes, step_fn
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default="fp8", help=f"one of {sorted(recipes())} or bf16")
+    p.add_argument("--layer", choices=("linear", "mlp"), default="linear")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--ffn", type=int, default=14336)
@@ -33,8 +34,11 @@ def main() -> None:
     p.add_argument("--python", action="store_true", help="host time and cProfile instead of torch.profiler")
     args = p.parse_args()
     recipe = None if args.recipe == "bf16" else recipes()[args.recipe]
-    lin = torch.nn.Linear(args.hidden, args.ffn, bias=False, dtype=torch.bfloat16, device="cuda")
-    model = lin if recipe is None else dtq.convert(lin)
+    if args.layer == "mlp":
+        base = SwiGLU(args.hidden, args.ffn, torch.bfloat16, "cuda")
+    else:
+        base = torch.nn.Linear(args.hidden, args.ffn, bias=False, dtype=torch.bfloat16, device="cuda")
+    model = base if recipe is None else dtq.convert(base)
     x = torch.randn(args.tokens, args.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     step = step_fn(model, x, recipe)
     for _ in range(3):

@@ -121,6 +121,10 @@ def _shared_rotation(a: Operand, b: Operand) -> bool:
 
 
 def _apply_factors(out: torch.Tensor, fa, fb, out_dtype: torch.dtype) -> torch.Tensor:
+    if fa is not None or fb is not None:
+        fused = kernels.scale_cast(out, fa, fb, out_dtype)  # one pass on CUDA, same bits
+        if fused is not None:
+            return fused
     for f in (fa, fb):
         if f is not None:
             out = out * f

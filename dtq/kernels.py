@@ -34,7 +34,7 @@ INPUT_DTYPES = tuple(_DTYPE_CODE)
 CSRC = next((d for d in (Path(__file__).resolve().parent.parent / "csrc", Path(__file__).resolve().parent / "_csrc")
              if d.is_dir()), Path(__file__).resolve().parent / "_csrc")
 SOURCES = ("bindings.cpp", "quantize.cu", "quantize_fast_bf16.cu", "quantize_fast_f16.cu", "quantize_fast_f32.cu", "amax.cu",
-           "dequantize.cu", "transpose.cu")
+           "dequantize.cu", "transpose.cu", "swiglu.cu", "epilogue.cu")
 # fp32 arithmetic must stay exactly the references': no FMA contraction, no fast math.
 CUDA_FLAGS = ("-O3", "-fmad=false", "-gencode=arch=compute_90,code=[sm_90,compute_90]", "-std=c++17")
 
@@ -239,6 +239,35 @@ def transposed(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x.shape[1], x.shape[0]), dtype=x.dtype, device=x.device)
     extension().transpose_u8(x.view(torch.uint8), out.view(torch.uint8))
     return out
+
+
+def swiglu(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``silu(gate) * up`` of the contiguous [T, 2F] CUDA tensor ``x`` (gate/up in blocks of
+    ``block`` columns) as [T, F]; bits of ``dtq.nn.functional.swiglu_reference``."""
+    h = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)
+    extension().swiglu_forward(x, h, block)
+    return h
+
+
+def swiglu_backward(dh: torch.Tensor, x: torch.Tensor, block: int) -> torch.Tensor:
+    """Gradient of the [T, 2F] input of :func:`swiglu` from ``dh`` [T, F] (both contiguous)."""
+    dx = torch.empty_like(x)
+    extension().swiglu_backward(dh, x, dx, block)
+    return dx
+
+
+def scale_cast(out: torch.Tensor, fa: torch.Tensor | None, fb: torch.Tensor | None,
+               dtype: torch.dtype) -> torch.Tensor | None:
+    """``((out * fa) * fb).to(dtype)`` for a contiguous fp32 CUDA ``out`` and 0-dim fp32 factors on
+    its device (either None) in one pass; None where the kernel does not apply."""
+    factors_ok = all(f is None or (f.device == out.device and f.dtype == torch.float32 and f.numel() == 1)
+                     for f in (fa, fb))
+    if (not factors_ok or out.dtype != torch.float32 or dtype not in _DTYPE_CODE or not out.is_cuda
+            or not out.is_contiguous() or not available(out.device)):
+        return None
+    dst = out if dtype == torch.float32 else torch.empty(out.shape, dtype=dtype, device=out.device)
+    extension().scale_cast(out, fa, fb, dst)
+    return dst
 
 
 def _main(argv: list[str]) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dtq.nn.functional import swiglu
 from dtq.nn.module import QuantizedModule, init_bias, init_weight
 from dtq.parallel import tp
 
@@ -92,12 +93,7 @@ class LayerNormMLP(QuantizedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self._linear(self.norm(x), self.fc1_weight, self.fc1_bias, gemm=0)
         if self.activation == "swiglu":
-            if self.swiglu_interleave is None:
-                a, b = h.chunk(2, dim=-1)
-            else:
-                pairs = h.unflatten(-1, (-1, 2, self.swiglu_interleave))
-                a, b = pairs.select(-2, 0).flatten(-2), pairs.select(-2, 1).flatten(-2)
-            h = F.silu(a) * b
+            h = swiglu(h, self.swiglu_interleave)
         else:
             h = F.gelu(h, approximate="tanh")
         return self._linear(h, self.fc2_weight, self.fc2_bias, gemm=1)

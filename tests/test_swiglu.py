@@ -1,0 +1,179 @@
+"""Fused SwiGLU (dtq.nn.functional.swiglu, csrc/swiglu.cu) and the emulated GEMMs' fused epilogue
+(csrc/epilogue.cu).
+
+CPU: the fp32 reference against float64 math (its error is a few fp32 ulps before the final
+rounding, so it must agree with float64 rounded to the dtype up to one ulp of that dtype), the
+gate/up block layouts, autograd, errors. GPU: the kernels against the same reference run through
+torch's CUDA ops, bit for bit, vectorized and scalar paths, edge values included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dtq
+from dtq import kernels
+from dtq.nn.functional import swiglu, swiglu_backward_reference, swiglu_reference
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="needs the CUDA kernels (an sm_90+ GPU)")
+
+
+def _split(x: torch.Tensor, block: int):
+    pairs = x.unflatten(-1, (-1, 2, block))
+    return pairs.select(-2, 0).flatten(-2), pairs.select(-2, 1).flatten(-2)
+
+
+def _f64_grads(x: torch.Tensor, dh: torch.Tensor, block: int):
+    x64 = x.double().requires_grad_(True)
+    a, b = _split(x64, block)
+    h = torch.nn.functional.silu(a) * b
+    h.backward(dh.double())
+    return h.detach(), x64.grad
+
+
+def _ulp(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Spacing of ``dtype`` at |t| (its smallest normal spacing below)."""
+    fi = torch.finfo(dtype)
+    e = torch.floor(torch.log2(t.abs().clamp_min(fi.tiny)))
+    return torch.exp2(e - (fi.bits - 1 - {torch.float32: 8, torch.bfloat16: 8, torch.float16: 5}[dtype]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block", [None, 4])
+def test_reference_matches_float64_within_one_ulp(dtype, block):
+    torch.manual_seed(0)
+    x = (torch.randn(64, 2 * 48) * 3).to(dtype)
+    dh = torch.randn(64, 48).to(dtype)
+    blk = 48 if block is None else block
+    h64, dx64 = _f64_grads(x, dh, blk)
+    h = swiglu_reference(x, blk)
+    dx = swiglu_backward_reference(dh, x, blk)
+    assert h.dtype == dtype and dx.dtype == dtype and dx.shape == x.shape
+    # fp32 math is ~1e-6 relative before the final rounding: within one ulp of the dtype (fp32: a
+    # few); silu's derivative 1 + a (1 - s) cancels near a = -1.28, hence an absolute term of fp32
+    # rounding on the magnitudes involved
+    slack = 4 if dtype == torch.float32 else 1
+    cancel = 2**-22 * float(dh.abs().max()) * (1 + float(x.abs().max())) ** 2
+    assert ((h.double() - h64).abs() <= slack * _ulp(h64, dtype)).all()
+    assert ((dx.double() - dx64).abs() <= slack * _ulp(dx64, dtype) + cancel).all()
+
+
+def test_block_layouts_are_a_column_permutation():
+    torch.manual_seed(1)
+    F, B = 24, 4
+    x = torch.randn(10, 2 * F)
+    # the interleaved layout of the same gate/up columns
+    a, b = x[:, :F], x[:, F:]
+    inter = torch.stack((a.unflatten(-1, (-1, B)), b.unflatten(-1, (-1, B))), dim=-2).flatten(-3)
+    assert torch.equal(swiglu(x), swiglu(inter, B))
+    dh = torch.randn(10, F)
+    xa = x.clone().requires_grad_(True)
+    xi = inter.clone().requires_grad_(True)
+    swiglu(xa).backward(dh)
+    swiglu(xi, B).backward(dh)
+    ga, gb = _split(xi.grad, B)
+    assert torch.equal(xa.grad, torch.cat((ga, gb), dim=-1))
+
+
+def test_autograd_matches_eager_silu_mul_in_fp32():
+    torch.manual_seed(2)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    dh = torch.randn(3, 5, 8)
+    swiglu(x).backward(dh)
+    xr = x.detach().clone().requires_grad_(True)
+    a, b = xr.chunk(2, dim=-1)
+    (torch.nn.functional.silu(a) * b).backward(dh)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=2e-6, atol=1e-7)  # both fp32: a few ulps
+
+
+def test_layernorm_mlp_uses_it():
+    torch.manual_seed(3)
+    mlp = dtq.nn.LayerNormMLP(16, 24, activation="swiglu", normalization="RMSNorm", swiglu_interleave=8)
+    x = torch.randn(6, 16)
+    h = torch.nn.functional.linear(mlp.norm(x), mlp.fc1_weight, mlp.fc1_bias)
+    ref = torch.nn.functional.linear(swiglu_reference(h, 8), mlp.fc2_weight, mlp.fc2_bias)
+    assert torch.equal(mlp(x), ref)
+
+
+@pytest.mark.parametrize("shape, block, match", [
+    ((4, 7), None, "must be even"),
+    ((4, 12), 4, "block=4 must divide half the last dim"),
+    ((4, 12), 0, "block=0"),
+])
+def test_bad_input_errors(shape, block, match):
+    with pytest.raises(ValueError, match=match):
+        swiglu(torch.randn(shape), block)
+    with pytest.raises(ValueError, match="floating point"):
+        swiglu(torch.ones(4, 8, dtype=torch.int32))
+
+
+# -- GPU: bits of the kernels ------------------------------------------------------------------
+
+def _edge_values(n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    fi = torch.finfo(dtype)
+    special = torch.tensor([0.0, -0.0, 1.0, -1.0, 88.0, -88.0, 104.0, -104.0, fi.max, -fi.max, fi.tiny,
+                            float("inf"), float("-inf"), float("nan"), 1e-3, -20.0], dtype=torch.float32)
+    return special.repeat(n // special.numel() + 1)[:n].to(dtype).to(device)
+
+
+def _assert_bits(a: torch.Tensor, b: torch.Tensor):
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows, F, block, offset", [
+    (512, 1024, None, 0),   # halves, vectorized
+    (300, 96, 32, 0),       # interleaved, vectorized
+    (33, 12, None, 0),      # F not a multiple of the vector width: scalar
+    (64, 64, 64, 1),        # misaligned base pointer: scalar
+    (7, 40, 8, 0),
+])
+def test_kernel_bits_match_reference_on_cuda(dtype, rows, F, block, offset):
+    torch.manual_seed(4)
+    blk = F if block is None else block
+    n = rows * 2 * F
+    flat = (torch.randn(n + offset, device="cuda") * 4).to(dtype)
+    flat[offset:offset + 64] = _edge_values(64, dtype, "cuda")
+    x = flat[offset:].view(rows, 2 * F)
+    dh = (torch.randn(rows, F, device="cuda") * 2).to(dtype)
+    dh.view(-1)[:32] = _edge_values(32, dtype, "cuda")
+    _assert_bits(kernels.swiglu(x, blk), swiglu_reference(x, blk))
+    _assert_bits(kernels.swiglu_backward(dh, x, blk), swiglu_backward_reference(dh, x, blk))
+    # through autograd, with a leading batch dim and a non-contiguous (expanded) gradient
+    xa = x.view(1, rows, 2 * F).clone().requires_grad_(True)
+    h = swiglu(xa, block)
+    _assert_bits(h[0], swiglu_reference(x, blk))
+    h.sum().backward()
+    _assert_bits(xa.grad[0], swiglu_backward_reference(torch.ones_like(dh), x, blk))
+
+
+@needs_kernels
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("which", ["a", "b", "ab"])
+@pytest.mark.parametrize("n, offset", [(4096 * 3, 0), (1001, 0), (4096, 1)])
+def test_scale_cast_bits_match_torch(out_dtype, which, n, offset):
+    torch.manual_seed(5)
+    src = torch.randn(n + offset, device="cuda") * 1e3
+    src[offset:offset + 4] = torch.tensor([float("inf"), float("nan"), 3e38, -0.0])
+    src = src[offset:]
+    fa = torch.tensor(0.37, device="cuda") if "a" in which else None
+    fb = torch.tensor(1.7e-3, device="cuda") if "b" in which else None
+    ref = src.clone()
+    for f in (fa, fb):
+        if f is not None:
+            ref = ref * f
+    ref = ref.to(out_dtype)
+    got = kernels.scale_cast(src.clone(), fa, fb, out_dtype)
+    assert got is not None and got.dtype == out_dtype
+    _assert_bits(got, ref)
+
+
+@needs_kernels
+def test_scale_cast_declines_what_it_cannot_do():
+    src = torch.randn(64, device="cuda")
+    assert kernels.scale_cast(src, torch.tensor(2.0), None, torch.bfloat16) is None  # CPU factor
+    assert kernels.scale_cast(src, torch.tensor(2.0, device="cuda", dtype=torch.float64), None, torch.bfloat16) is None
+    assert kernels.scale_cast(src.half(), torch.tensor(2.0, device="cuda"), None, torch.bfloat16) is None
+    assert kernels.scale_cast(src.view(8, 8).t(), torch.tensor(2.0, device="cuda"), None, torch.bfloat16) is None
