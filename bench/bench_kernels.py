@@ -19,6 +19,8 @@
 6. The elementwise kernels: fused SwiGLU forward / backward with the input as the [T, 2F] gate/up
    tensor, and the emulated GEMMs' epilogue (fp32 output times two factors, cast to bf16), each
    beside the eager torch ops it replaces (``reference us``).
+7. Dequantize to bf16 (the emulated GEMMs' operands) of MXFP8, NVFP4 and FP8 1x128 payloads,
+   each direction: payload bytes read plus the bf16 written, over time.
 Prints a table and writes JSON (device, torch, copy ceiling, every row) to ``--out``.
 """
 
@@ -187,6 +189,23 @@ def bench_elementwise(x, iters: int) -> list[dict]:
     return rows
 
 
+def bench_dequantize(x, iters: int) -> list[dict]:
+    """Dequantize (to bf16) of each direction of a few formats' payloads of x."""
+    from dtq.formats.base import codec_for
+    rows = []
+    for name, q in (("mxfp8", dtq.MXFP8Quantizer()), ("nvfp4", dtq.NVFP4Quantizer()),
+                    ("fp8b_1x128", dtq.Float8BlockQuantizer((1, 128)))):
+        t = q.quantize(x, rowwise=True, columnwise=True)
+        for d in t.directions:
+            sub = q.for_direction(d)
+            codec, payload = codec_for(sub), t.payload(d)
+            nbytes = sum(v.numel() * v.element_size() for v in payload.values()) + x.numel() * 2
+            ms = _time_ms(lambda: codec.kernel_dequantize(sub, payload, d, tuple(x.shape), dtype=torch.bfloat16), iters)
+            rows.append({"format": f"dequantize {name} -> bf16", "dirs": d[0], "ms": ms, "in_bytes": nbytes,
+                         "out_bytes": 0, "amax_pass": False, "gbps": nbytes / ms / 1e6, "ideal_fraction": 1.0})
+    return rows
+
+
 def bench_reference(q, x, dirs: str, seed: torch.Tensor) -> float:
     os.environ["DTQ_DISABLE_KERNELS"] = "1"
     try:
@@ -250,6 +269,10 @@ def main() -> int:
             rows.append(r)
         if not args.only or "swiglu" in args.only or "epilogue" in args.only:
             for r in bench_elementwise(x, args.iters):
+                r.update(size_mib=size, shape=[m, K], fraction=r["gbps"] / ceiling)
+                rows.append(r)
+        if not args.only or "dequantize" in args.only:
+            for r in bench_dequantize(x, args.iters):
                 r.update(size_mib=size, shape=[m, K], fraction=r["gbps"] / ceiling)
                 rows.append(r)
         if not args.only or "amax" in args.only:

@@ -2,8 +2,9 @@
 // reproducing the codecs' dequantize (and dequantize_factored) bit for bit: code value times block
 // scale in fp32, NVFP4 then divided by S_enc, the random Hadamard inverted with the same
 // butterflies; a bf16 output is the RNE rounding of that fp32 value (exact where the format's
-// exact_dtype says so). Eight elements of a row per thread (8-byte FP8 / 4-byte FP4 code loads,
-// 16- or 32-byte stores); unaligned or K % 8 != 0 tensors take a one-element-per-thread loop.
+// exact_dtype says so). Sixteen elements of a row per thread where K % 16 == 0 and the blocks
+// allow it (a kernel per format and block orientation), else eight (8-byte FP8 / 4-byte FP4 code
+// loads, 16- or 32-byte stores); unaligned or K % 8 != 0 tensors take a one-element-per-thread loop.
 // Hadamard columns take one thread per 16-row group and column.
 
 #include <ATen/ATen.h>
@@ -122,6 +123,82 @@ __global__ void __launch_bounds__(kThreads) dequant_vec8_kernel(DeqCfg d, OutT* 
   }
 }
 
+// Sixteen consecutive elements of one row per thread, the format and the block orientation fixed
+// at compile time (no per-element branches or divisions): 16-byte FP8 / 8-byte FP4 code loads,
+// 32- or 64-byte stores. Row blocks (COLS false: bc a multiple of 16, or one scale per tensor)
+// give the sixteen one scale; column blocks (bc == 1) give each column its own, read as one
+// 16-byte vector of byte scales (MXFP8, NVFP4) or four of fp32 ones (FP8).
+template <int KIND>
+__device__ __forceinline__ float scale_value(const DeqCfg& d, int64_t idx) {
+  if constexpr (KIND == kFp8Scaled) return reinterpret_cast<const float*>(d.scale)[idx];
+  const uint8_t b = reinterpret_cast<const uint8_t*>(d.scale)[idx];
+  if constexpr (KIND == kMXFP8) return b == 0xFF ? u2f(kCanonicalNaN) : exp2i(int(b) - 127);
+  return e4m3_value(b);
+}
+
+template <int KIND>
+__device__ __forceinline__ void column_scales16(const DeqCfg& d, int64_t idx, float (&s)[16]) {
+  if constexpr (KIND == kFp8Scaled) {
+    const float4* p = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(d.scale) + idx);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float4 f = p[q];
+      s[4 * q] = f.x; s[4 * q + 1] = f.y; s[4 * q + 2] = f.z; s[4 * q + 3] = f.w;
+    }
+  } else {
+    const uint4 raw = *reinterpret_cast<const uint4*>(reinterpret_cast<const uint8_t*>(d.scale) + idx);
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(&raw);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      if constexpr (KIND == kMXFP8) s[j] = b[j] == 0xFF ? u2f(kCanonicalNaN) : exp2i(int(b[j]) - 127);
+      else s[j] = e4m3_value(b[j]);
+    }
+  }
+}
+
+template <int KIND, bool COLS, typename OutT>
+__global__ void __launch_bounds__(kThreads) dequant_vec16_kernel(DeqCfg d, OutT* __restrict__ out) {
+  const float s_enc = KIND == kNVFP4 ? nvfp4_senc(*d.tensor) : 1.f;
+  const bool per_tensor = KIND == kFp8Scaled && d.br == 0;
+  const float t_scale = per_tensor ? *d.tensor : 0.f;
+  const int64_t kv = d.K / 16, n = d.M * kv;
+  for (int64_t v = int64_t(blockIdx.x) * kThreads + threadIdx.x; v < n; v += int64_t(gridDim.x) * kThreads) {
+    const int64_t r = v / kv, c0 = (v - r * kv) * 16, i0 = r * d.K + c0;
+    float q[16];
+    if constexpr (KIND == kNVFP4) {
+      const uint2 packed = *reinterpret_cast<const uint2*>(d.data + (i0 >> 1));
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const uint32_t code = ((j < 8 ? packed.x : packed.y) >> (4 * (j & 7))) & 0xF;
+        const float m = e2m1_magnitude(code & 7);
+        q[j] = (code & 8) ? -m : m;
+      }
+    } else {
+      const uint4 codes = *reinterpret_cast<const uint4*>(d.data + i0);
+      const uint8_t* b = reinterpret_cast<const uint8_t*>(&codes);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) q[j] = fp8_value(b[j], d.e5m2);
+    }
+    float vals[16];
+    if constexpr (COLS) {
+      float s[16];
+      column_scales16<KIND>(d, (r / d.br) * d.K + c0, s);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) vals[j] = __fmul_rn(q[j], s[j]);
+    } else {
+      const float s = per_tensor ? t_scale : scale_value<KIND>(d, (r / d.br) * ((d.K + d.bc - 1) / d.bc) + c0 / d.bc);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) vals[j] = __fmul_rn(q[j], s);
+    }
+    if (KIND == kNVFP4 && !d.factored) {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) vals[j] = __fdiv_rn(vals[j], s_enc);
+    }
+    store8(out + i0, *reinterpret_cast<const float(*)[8]>(&vals[0]));
+    store8(out + i0 + 8, *reinterpret_cast<const float(*)[8]>(&vals[8]));
+  }
+}
+
 // Inverse transform T^T = diag(signs) . H16 / 4 of _bits.hadamard_rows(inverse=True): walsh, * 0.25, * signs.
 template <typename OutT>
 __global__ void __launch_bounds__(kThreads) dequant_hadamard_kernel(DeqCfg d, OutT* __restrict__ out) {
@@ -137,6 +214,18 @@ __global__ void __launch_bounds__(kThreads) dequant_hadamard_kernel(DeqCfg d, Ou
     for (int i = 0; i < 16; ++i)
       store(out + (g * 16 + i) * d.K + c, __fmul_rn(__fmul_rn(v[i], 0.25f), ((d.signs >> i) & 1) ? -1.f : 1.f));
   }
+}
+
+// The sixteen-wide kernel's conditions: K % 16 == 0; 16 elements share a scale (row blocks a
+// multiple of 16 wide, or one per tensor) or each column has its own (bc == 1, 16-byte aligned
+// scales); aligned codes and output.
+bool vec16_ok(const DeqCfg& d, const at::Tensor& out) {
+  const bool per_tensor = d.kind == kFp8Scaled && d.br == 0;
+  const bool cols = !per_tensor && d.bc == 1;
+  const bool rows = per_tensor || (d.bc >= 16 && d.bc % 16 == 0);
+  return d.K % 16 == 0 && (rows || (cols && reinterpret_cast<uintptr_t>(d.scale) % 16 == 0)) &&
+         reinterpret_cast<uintptr_t>(d.data) % (d.kind == kNVFP4 ? 8 : 16) == 0 &&
+         reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
 }
 
 }  // namespace
@@ -178,6 +267,24 @@ void dequantize(const at::Tensor& data, const c10::optional<at::Tensor>& scale, 
       dequant_hadamard_kernel<<<unsigned(grid), kThreads, 0, stream>>>(d, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
     else
       dequant_hadamard_kernel<<<unsigned(grid), kThreads, 0, stream>>>(d, out.data_ptr<float>());
+  } else if (vec16_ok(d, out)) {
+    const int64_t items = d.M * (d.K / 16);
+    const unsigned grid = unsigned(std::min<int64_t>((items + kThreads - 1) / kThreads, int64_t(sms) * 16));
+    auto launch = [&](auto kind, auto cols) {
+      constexpr int KIND = decltype(kind)::value;
+      constexpr bool COLS = decltype(cols)::value;
+      if (bf16)
+        dequant_vec16_kernel<KIND, COLS><<<grid, kThreads, 0, stream>>>(d, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
+      else
+        dequant_vec16_kernel<KIND, COLS><<<grid, kThreads, 0, stream>>>(d, out.data_ptr<float>());
+    };
+    auto by_cols = [&](auto kind) {
+      if (d.bc == 1) launch(kind, std::true_type{});
+      else launch(kind, std::false_type{});
+    };
+    if (d.kind == kFp8Scaled) by_cols(std::integral_constant<int, kFp8Scaled>{});
+    else if (d.kind == kMXFP8) by_cols(std::integral_constant<int, kMXFP8>{});
+    else by_cols(std::integral_constant<int, kNVFP4>{});
   } else if (d.K % 8 == 0 && reinterpret_cast<uintptr_t>(d.data) % 8 == 0 &&
              reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0) {
     const int64_t items = d.M * (d.K / 8);

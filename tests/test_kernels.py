@@ -195,25 +195,32 @@ def test_given_amax_and_seed_tensor(name):
 
 
 @needs_cuda
+@pytest.mark.parametrize("shape", [(256, 384), (96, 392), (130, 200)], ids=str)  # 16-, 8- and 1-wide kernels
 @pytest.mark.parametrize("name", [n for n in ALL if not n.startswith("identity")])
-def test_dequantize_matches_reference(name):
+def test_dequantize_matches_reference(name, shape):
     q = ALL[name]
-    x = torch.randn(256, 384) * torch.logspace(-2, 2, 384)
+    if not _valid(q, shape, (True, True)):
+        pytest.skip(f"{name} cannot hold {shape}")
+    x = torch.randn(*shape) * torch.logspace(-2, 2, shape[1])
     x[3, 5], x[7, 9] = float("nan"), float("inf")
     cpu = q.quantize(x, seed=SEED)
     gpu = cpu.cuda()
     for d in cpu.directions:
         sub = q.for_direction(d)
         codec = codec_for(sub)
-        if codec.kernel_spec(sub, d, (256, 384), torch.float32) is None or codec.name == "identity":
+        if codec.kernel_spec(sub, d, shape, torch.float32) is None or codec.name == "identity":
             continue
-        assert codec.kernel_dequantize(sub, gpu.payload(d), d, (256, 384)) is not None, (name, d)
-        ref = codec.dequantize(sub, cpu.payload(d), d, (256, 384))
-        got = codec.dequantize(sub, gpu.payload(d), d, (256, 384))
+        assert codec.kernel_dequantize(sub, gpu.payload(d), d, shape) is not None, (name, d)
+        ref = codec.dequantize(sub, cpu.payload(d), d, shape)
+        got = codec.dequantize(sub, gpu.payload(d), d, shape)
         torch.testing.assert_close(got.cpu(), ref, rtol=0, atol=0, equal_nan=True, msg=f"{name} {d}")
-        rv, rf = codec.dequantize_factored(sub, cpu.payload(d), d, (256, 384))
-        gv, gf = codec.dequantize_factored(sub, gpu.payload(d), d, (256, 384))
+        rv, rf = codec.dequantize_factored(sub, cpu.payload(d), d, shape)
+        gv, gf = codec.dequantize_factored(sub, gpu.payload(d), d, shape)
         torch.testing.assert_close(gv.cpu(), rv, rtol=0, atol=0, equal_nan=True, msg=f"{name} {d} factored")
+        # bf16 output: the RNE rounding of the fp32 values
+        g16 = codec.kernel_dequantize(sub, gpu.payload(d), d, shape, dtype=torch.bfloat16)
+        torch.testing.assert_close(g16.cpu(), ref.to(torch.bfloat16), rtol=0, atol=0, equal_nan=True,
+                                   msg=f"{name} {d} bf16")
 
 
 @needs_cuda
