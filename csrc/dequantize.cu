@@ -230,10 +230,12 @@ bool vec16_ok(const DeqCfg& d, const at::Tensor& out) {
 
 }  // namespace
 
-// cfg: kind, br, bc, e5m2, hadamard, signs, factored (see SlotKind / SlotCfg in common.cuh).
+// cfg: kind, br, bc, e5m2, hadamard, signs, factored (see SlotKind / SlotCfg in common.cuh)[, widest vector width].
 void dequantize(const at::Tensor& data, const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& tensor,
                 const std::vector<int64_t>& cfg, const at::Tensor& out) {
-  TORCH_CHECK(cfg.size() == 7, "dtq kernels: dequantize config needs 7 ints");
+  TORCH_CHECK(cfg.size() == 7 || cfg.size() == 8, "dtq kernels: dequantize config needs 7 ints (an 8th: widest "
+              "vector width allowed, 16 or 8, for benchmarks)");
+  const int64_t max_width = cfg.size() == 8 ? cfg[7] : 16;
   TORCH_CHECK(out.is_cuda() && out.dim() == 2 && out.is_contiguous() &&
                   (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
               "dtq kernels: dequantize out must be a contiguous fp32 or bf16 [M, K] CUDA tensor");
@@ -267,7 +269,7 @@ void dequantize(const at::Tensor& data, const c10::optional<at::Tensor>& scale, 
       dequant_hadamard_kernel<<<unsigned(grid), kThreads, 0, stream>>>(d, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
     else
       dequant_hadamard_kernel<<<unsigned(grid), kThreads, 0, stream>>>(d, out.data_ptr<float>());
-  } else if (vec16_ok(d, out)) {
+  } else if (max_width >= 16 && vec16_ok(d, out)) {
     const int64_t items = d.M * (d.K / 16);
     const unsigned grid = unsigned(std::min<int64_t>((items + kThreads - 1) / kThreads, int64_t(sms) * 16));
     auto launch = [&](auto kind, auto cols) {
