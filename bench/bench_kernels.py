@@ -207,7 +207,8 @@ def bench_dequantize(x, iters: int) -> list[dict]:
             sub = q.for_direction(d)
             codec, payload = codec_for(sub), t.payload(d)
             nbytes = sum(v.numel() * v.element_size() for v in payload.values()) + x.numel() * 2
-            ms = _graph_ms(lambda: codec.dequantize_factored(sub, payload, d, tuple(x.shape), torch.bfloat16), iters)
+            ms = _graph_ms(lambda: codec.kernel_dequantize(sub, payload, d, tuple(x.shape), factored=True,
+                                                           dtype=torch.bfloat16), iters)
             rows.append({"format": f"dequantize {name} -> bf16", "dirs": d[0], "ms": ms, "in_bytes": nbytes,
                          "out_bytes": 0, "amax_pass": False, "gbps": nbytes / ms / 1e6, "ideal_fraction": 1.0})
     return rows

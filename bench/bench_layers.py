@@ -1,7 +1,8 @@
 """Layer benchmark: Llama-3-8B-shaped Linear and SwiGLU MLP, forward + backward, BF16 vs every dtq
 recipe, two hybrids, and torchao float8 (tensorwise and rowwise, eager and torch.compile'd), in one run;
 on a GPU also BF16 and dtq FP8 under torch.compile (dtq's GEMMs eager, the rest fused). The MLP
-also runs with dtq's fused SwiGLU kernel in place of eager silu * mul ("+fused swiglu"), BF16 too.
+also runs as ``dtq.nn.LayerNormMLP`` (fused SwiGLU kernels that also hand the next quantization
+its amax), and in BF16 with that fused SwiGLU alone ("+fused swiglu").
 
     python bench/bench_layers.py --out bench/results_layers.json
     python bench/bench_layers.py --smoke        # tiny shapes, any device: checks the script runs
@@ -46,6 +47,19 @@ class SwiGLU(torch.nn.Module):
             return self.fc2(dtq.nn.functional.swiglu(h))
         a, b = h.chunk(2, dim=-1)
         return self.fc2(F.silu(a) * b)
+
+
+def layernorm_mlp(base: SwiGLU) -> dtq.nn.LayerNormMLP:
+    """``base`` as one dtq.nn.LayerNormMLP (same weights; gate and up as its two halves)."""
+    fc1, fc2 = base.fc1.weight, base.fc2.weight
+    mlp = dtq.nn.LayerNormMLP(fc1.shape[1], fc2.shape[1], bias=False, normalization="RMSNorm", activation="swiglu",
+                              eps=base.norm.eps or torch.finfo(fc1.dtype).eps, params_dtype=fc1.dtype,
+                              device=fc1.device, name="mlp")
+    with torch.no_grad():
+        mlp.norm.weight.copy_(base.norm.weight)
+        mlp.fc1_weight.copy_(fc1)
+        mlp.fc2_weight.copy_(fc2)
+    return mlp
 
 
 def recipes() -> dict:
@@ -172,12 +186,14 @@ def main() -> None:
         candidates = {"bf16": (base, None)}
         for name, recipe in recipes().items():
             candidates[f"dtq {name}"] = (dtq.convert(copy.deepcopy(base)), recipe)
-        if isinstance(base, SwiGLU):  # the same MLPs with dtq's fused SwiGLU (BF16 too, for fairness)
+        if isinstance(base, SwiGLU):
+            # BF16 with dtq's fused SwiGLU (what the fusion alone buys), and the same MLP as
+            # dtq.nn.LayerNormMLP: fused SwiGLU whose kernels also hand over the amaxes
             fused = copy.deepcopy(base)
             fused.fused = True
             candidates["bf16 +fused swiglu"] = (fused, None)
             for name in ("fp8", "fp8-block", "mxfp8", "nvfp4"):
-                candidates[f"dtq {name} +fused swiglu"] = (dtq.convert(copy.deepcopy(fused)), recipes()[name])
+                candidates[f"dtq {name} LayerNormMLP"] = (layernorm_mlp(base), recipes()[name])
         if device.type == "cuda":
             # torch.compile around dtq's (eager) GEMMs fuses the rest, e.g. SwiGLU's silu * up:
             # beside the BF16 model compiled the same way

@@ -11,8 +11,9 @@ void axis_amax(const at::Tensor& x, const c10::optional<at::Tensor>& rows, const
 void dequantize(const at::Tensor& data, const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& tensor,
                 const std::vector<int64_t>& cfg, const at::Tensor& out);
 void transpose_u8(const at::Tensor& in, const at::Tensor& out);
-void swiglu_forward(const at::Tensor& x, const at::Tensor& h, int64_t block);
-void swiglu_backward(const at::Tensor& dh, const at::Tensor& x, const at::Tensor& dx, int64_t block);
+void swiglu_forward(const at::Tensor& x, const at::Tensor& h, int64_t block, const c10::optional<at::Tensor>& amax);
+void swiglu_backward(const at::Tensor& dh, const at::Tensor& x, const at::Tensor& dx, int64_t block,
+                     const c10::optional<at::Tensor>& amax);
 void scale_cast(const at::Tensor& src, const c10::optional<at::Tensor>& fa, const c10::optional<at::Tensor>& fb,
                 const at::Tensor& dst);
 }  // namespace dtq
@@ -24,7 +25,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("axis_amax", &dtq::axis_amax, "max|x| of every row and/or every column into int32 bit patterns");
   m.def("dequantize", &dtq::dequantize, "One direction payload back to [M, K] values");
   m.def("transpose_u8", &dtq::transpose_u8, "Contiguous [K, M] copy of a 1-byte [M, K] matrix");
-  m.def("swiglu_forward", &dtq::swiglu_forward, "silu(gate) * up of a [T, 2F] gate/up tensor into [T, F]");
-  m.def("swiglu_backward", &dtq::swiglu_backward, "Gradient of the [T, 2F] gate/up tensor from dh and the input");
+  m.def("swiglu_forward", &dtq::swiglu_forward, "silu(gate) * up of a [T, 2F] gate/up tensor into [T, F] (and max|h| bits)");
+  m.def("swiglu_backward", &dtq::swiglu_backward, "Gradient of the [T, 2F] gate/up tensor from dh and the input (and its max|.| bits)");
   m.def("scale_cast", &dtq::scale_cast, "((out * fa) * fb).to(dtype) of an fp32 GEMM output in one pass");
 }

@@ -9,6 +9,11 @@
 // the GEMM output; here the forward reads [T, 2F] once and writes h, the backward reads dh and
 // [T, 2F] once and writes the gradient of the whole [T, 2F] input.
 //
+// With an amax buffer, each also writes max|output| (over the stored, rounded values; NaN wins) as
+// the fp32 bit pattern the amax kernel (amax.cu) would produce, so that the GEMM quantizing the
+// output next needs no amax pass of its own: one max per thread, a block reduction, one atomicMax
+// per block (the grid is capped, so a few thousand atomics at most).
+//
 // Gate/up layout: gate and up alternate in blocks of B columns (B = F: the two halves), so output
 // column j reads gate column (j / B) * 2B + j % B and the up column B after it. Each thread moves
 // 16 bytes of every tensor when B is a multiple of that many elements and the pointers are
@@ -51,9 +56,27 @@ __device__ __forceinline__ float silu_of(float a, float* s) {
   return __fdiv_rn(a, d);
 }
 
+// max over the block's per-thread maxima (bit patterns of |v|), then one atomicMax. Every thread
+// of the block calls it (it synchronizes).
+__device__ __forceinline__ void commit_amax(uint32_t m, int* out) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+  __shared__ uint32_t warp_max[kThreads / 32];
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t b = 0;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) b = umax(b, warp_max[w]);
+    atomicMax(out, int(b));  // |v| bit patterns are below 2^31: signed order is unsigned order
+  }
+}
+
 // One pack of V consecutive output columns (V divides B, so the pack never straddles a block).
 template <typename T, int V>
-__global__ void __launch_bounds__(kThreads) swiglu_fwd_kernel(const T* __restrict__ x, T* __restrict__ h, Geometry g) {
+__global__ void __launch_bounds__(kThreads) swiglu_fwd_kernel(const T* __restrict__ x, T* __restrict__ h, Geometry g,
+                                                              int* amax) {
+  uint32_t m = 0;
   const int64_t packs = g.rows * (g.F / V);
   for (int64_t p = int64_t(blockIdx.x) * kThreads + threadIdx.x; p < packs; p += int64_t(gridDim.x) * kThreads) {
     const int64_t r = p / (g.F / V), j = (p % (g.F / V)) * V;
@@ -66,14 +89,17 @@ __global__ void __launch_bounds__(kThreads) swiglu_fwd_kernel(const T* __restric
       float s;
       const float silu = silu_of(load_f32(&a.v[i]), &s);
       store_f32(&out.v[i], __fmul_rn(silu, load_f32(&b.v[i])));
+      m = umax(m, abs_bits(load_f32(&out.v[i])));
     }
     *reinterpret_cast<Pack<T, V>*>(h + r * g.F + j) = out;
   }
+  if (amax) commit_amax(m, amax);
 }
 
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads) swiglu_bwd_kernel(const T* __restrict__ dh, const T* __restrict__ x,
-                                                              T* __restrict__ dx, Geometry g) {
+                                                              T* __restrict__ dx, Geometry g, int* amax) {
+  uint32_t m = 0;
   const int64_t packs = g.rows * (g.F / V);
   for (int64_t p = int64_t(blockIdx.x) * kThreads + threadIdx.x; p < packs; p += int64_t(gridDim.x) * kThreads) {
     const int64_t r = p / (g.F / V), j = (p % (g.F / V)) * V;
@@ -90,10 +116,12 @@ __global__ void __launch_bounds__(kThreads) swiglu_bwd_kernel(const T* __restric
       const float ds = __fmul_rn(s, __fadd_rn(1.0f, __fmul_rn(av, __fsub_rn(1.0f, s))));
       store_f32(&da.v[i], __fmul_rn(__fmul_rn(dv, bv), ds));
       store_f32(&db.v[i], __fmul_rn(dv, silu));
+      m = umax(m, umax(abs_bits(load_f32(&da.v[i])), abs_bits(load_f32(&db.v[i]))));
     }
     *reinterpret_cast<Pack<T, V>*>(dx + gi) = da;
     *reinterpret_cast<Pack<T, V>*>(dx + gi + g.B) = db;
   }
+  if (amax) commit_amax(m, amax);
 }
 
 Geometry check(const at::Tensor& x, const at::Tensor& h, int64_t block, const char* what) {
@@ -117,7 +145,7 @@ void dispatch_vec(const Geometry& g, std::initializer_list<const void*> ptrs, La
   for (const void* p : ptrs) vec = vec && reinterpret_cast<uintptr_t>(p) % 16 == 0;
   const int64_t packs = g.rows * (g.F / (vec ? V : 1));
   if (packs == 0) return;
-  const int blocks = int(std::min<int64_t>((packs + kThreads - 1) / kThreads, int64_t(1) << 20));
+  const int blocks = int(std::min<int64_t>((packs + kThreads - 1) / kThreads, int64_t(sm_count()) * 8));
   if (vec)
     launch(std::integral_constant<int, V>{}, blocks);
   else
@@ -134,24 +162,37 @@ void by_dtype(const at::Tensor& x, const char* what, Fn&& fn) {
   }
 }
 
+// The int32[1] amax buffer (zeroed here, on the stream), or nullptr.
+int* amax_buffer(const c10::optional<at::Tensor>& amax, const at::Tensor& x, const char* what,
+                 cudaStream_t stream) {
+  if (!amax.has_value()) return nullptr;
+  TORCH_CHECK(amax->is_cuda() && amax->device() == x.device() && amax->scalar_type() == at::kInt &&
+                  amax->numel() == 1 && amax->is_contiguous(),
+              "dtq swiglu ", what, ": the amax buffer must be one int32 on ", x.device());
+  C10_CUDA_CHECK(cudaMemsetAsync(amax->data_ptr(), 0, sizeof(int), stream));
+  return amax->data_ptr<int>();
+}
+
 }  // namespace
 
-void swiglu_forward(const at::Tensor& x, const at::Tensor& h, int64_t block) {
+void swiglu_forward(const at::Tensor& x, const at::Tensor& h, int64_t block, const c10::optional<at::Tensor>& amax) {
   const Geometry g = check(x, h, block, "forward");
   const c10::cuda::CUDAGuard guard(x.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
+  int* am = amax_buffer(amax, x, "forward", stream);
   by_dtype(x, "forward", [&](auto zero) {
     using T = decltype(zero);
     const T* xp = reinterpret_cast<const T*>(x.data_ptr());
     T* hp = reinterpret_cast<T*>(h.data_ptr());
     dispatch_vec<T>(g, {xp, hp}, [&](auto v, int blocks) {
-      swiglu_fwd_kernel<T, decltype(v)::value><<<blocks, kThreads, 0, stream>>>(xp, hp, g);
+      swiglu_fwd_kernel<T, decltype(v)::value><<<blocks, kThreads, 0, stream>>>(xp, hp, g, am);
     });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void swiglu_backward(const at::Tensor& dh, const at::Tensor& x, const at::Tensor& dx, int64_t block) {
+void swiglu_backward(const at::Tensor& dh, const at::Tensor& x, const at::Tensor& dx, int64_t block,
+                     const c10::optional<at::Tensor>& amax) {
   const Geometry g = check(x, dh, block, "backward");
   TORCH_CHECK(dx.is_cuda() && dx.is_contiguous() && dx.sizes() == x.sizes() && dx.scalar_type() == x.scalar_type() &&
                   dx.device() == x.device(),
@@ -159,13 +200,14 @@ void swiglu_backward(const at::Tensor& dh, const at::Tensor& x, const at::Tensor
               x.sizes(), ", got ", dx.sizes());
   const c10::cuda::CUDAGuard guard(x.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
+  int* am = amax_buffer(amax, x, "backward", stream);
   by_dtype(x, "backward", [&](auto zero) {
     using T = decltype(zero);
     const T* dhp = reinterpret_cast<const T*>(dh.data_ptr());
     const T* xp = reinterpret_cast<const T*>(x.data_ptr());
     T* dxp = reinterpret_cast<T*>(dx.data_ptr());
     dispatch_vec<T>(g, {dhp, xp, dxp}, [&](auto v, int blocks) {
-      swiglu_bwd_kernel<T, decltype(v)::value><<<blocks, kThreads, 0, stream>>>(dhp, xp, dxp, g);
+      swiglu_bwd_kernel<T, decltype(v)::value><<<blocks, kThreads, 0, stream>>>(dhp, xp, dxp, g, am);
     });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();

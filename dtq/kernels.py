@@ -241,19 +241,24 @@ def transposed(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def swiglu(x: torch.Tensor, block: int) -> torch.Tensor:
+def swiglu(x: torch.Tensor, block: int, want_amax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``silu(gate) * up`` of the contiguous [T, 2F] CUDA tensor ``x`` (gate/up in blocks of
-    ``block`` columns) as [T, F]; bits of ``dtq.nn.functional.swiglu_reference``."""
+    ``block`` columns) as [T, F], bits of ``dtq.nn.functional.swiglu_reference``; with
+    ``want_amax``, also max|h| as a 0-dim fp32 tensor (what :func:`amax` of h gives)."""
     h = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)
-    extension().swiglu_forward(x, h, block)
-    return h
+    buf = torch.empty(1, dtype=torch.int32, device=x.device) if want_amax else None  # zeroed by the call
+    extension().swiglu_forward(x, h, block, buf)
+    return h, (None if buf is None else buf.view(torch.float32).reshape(()))
 
 
-def swiglu_backward(dh: torch.Tensor, x: torch.Tensor, block: int) -> torch.Tensor:
-    """Gradient of the [T, 2F] input of :func:`swiglu` from ``dh`` [T, F] (both contiguous)."""
+def swiglu_backward(dh: torch.Tensor, x: torch.Tensor, block: int,
+                    want_amax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradient of the [T, 2F] input of :func:`swiglu` from ``dh`` [T, F] (both contiguous);
+    with ``want_amax``, also its max|.| (0-dim fp32)."""
     dx = torch.empty_like(x)
-    extension().swiglu_backward(dh, x, dx, block)
-    return dx
+    buf = torch.empty(1, dtype=torch.int32, device=x.device) if want_amax else None
+    extension().swiglu_backward(dh, x, dx, block, buf)
+    return dx, (None if buf is None else buf.view(torch.float32).reshape(()))
 
 
 def scale_cast(out: torch.Tensor, fa: torch.Tensor | None, fb: torch.Tensor | None,

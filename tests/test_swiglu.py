@@ -96,6 +96,42 @@ def test_layernorm_mlp_uses_it():
     assert torch.equal(mlp(x), ref)
 
 
+def _linear_run(recipe, x_amax_scale=None, grad_amax_scale=None):
+    """One dtq.nn.Linear forward + backward; with scales, given max|x| and max|dy| times them."""
+    from dtq.nn.functional import AmaxLink
+
+    torch.manual_seed(4)
+    lin = dtq.nn.Linear(32, 64, name="lin")
+    x = torch.randn(64, 32, requires_grad=True)
+    dy = torch.randn(64, 64)
+    link = AmaxLink() if grad_amax_scale is not None else None
+    x_amax = None if x_amax_scale is None else x.detach().abs().amax() * x_amax_scale
+    with dtq.autocast(recipe):
+        y = lin._linear(x, lin.weight, lin.bias, x_amax=x_amax, link=link)
+    if link is not None:
+        link.grad_amax = dy.abs().amax() * grad_amax_scale
+    y.backward(dy)
+    if link is not None:
+        assert link.grad_amax is None  # read (and cleared) by the backward
+    return y.detach(), x.grad, lin.weight.grad
+
+
+@pytest.mark.parametrize("recipe, used", [(dtq.Float8CurrentScaling(), True), (dtq.NVFP4BlockScaling(), True),
+                                          (dtq.MXFP8BlockScaling(), False), (dtq.DelayedScaling(), False)])
+def test_known_amax_reaches_current_scaling_only(recipe, used):
+    """A GEMM given max|x| (x_amax) and max|dy| (through an AmaxLink) quantizes exactly as it would
+    have computed them; a wrong value changes the result only where current scaling reads it."""
+    plain = _linear_run(recipe)
+    exact = _linear_run(recipe, 1.0, 1.0)
+    for a, b in zip(plain, exact):
+        assert torch.equal(a, b)
+    wrong_x = _linear_run(recipe, 3.0, 1.0)
+    wrong_g = _linear_run(recipe, 1.0, 3.0)
+    assert torch.equal(exact[0], wrong_g[0])  # the forward never sees the gradient's amax
+    assert torch.equal(exact[0], wrong_x[0]) != used
+    assert torch.equal(exact[1], wrong_g[1]) != used
+
+
 @pytest.mark.parametrize("shape, block, match", [
     ((4, 7), None, "must be even"),
     ((4, 12), 4, "block=4 must divide half the last dim"),
@@ -139,8 +175,16 @@ def test_kernel_bits_match_reference_on_cuda(dtype, rows, F, block, offset):
     x = flat[offset:].view(rows, 2 * F)
     dh = (torch.randn(rows, F, device="cuda") * 2).to(dtype)
     dh.view(-1)[:32] = _edge_values(32, dtype, "cuda")
-    _assert_bits(kernels.swiglu(x, blk), swiglu_reference(x, blk))
-    _assert_bits(kernels.swiglu_backward(dh, x, blk), swiglu_backward_reference(dh, x, blk))
+    h_ref, dx_ref = swiglu_reference(x, blk), swiglu_backward_reference(dh, x, blk)
+    h, no_amax = kernels.swiglu(x, blk)
+    assert no_amax is None
+    _assert_bits(h, h_ref)
+    _assert_bits(kernels.swiglu_backward(dh, x, blk)[0], dx_ref)
+    # max|out| handed to the next quantization: the amax kernel's bits of the same values
+    for (out, amax), ref in ((kernels.swiglu(x, blk, want_amax=True), h_ref),
+                             (kernels.swiglu_backward(dh, x, blk, want_amax=True), dx_ref)):
+        _assert_bits(out, ref)
+        assert torch.equal(amax.view(torch.int32), kernels.amax(ref, True, None)[0].view(torch.int32))
     # through autograd, with a leading batch dim and a non-contiguous (expanded) gradient
     xa = x.view(1, rows, 2 * F).clone().requires_grad_(True)
     h = swiglu(xa, block)
@@ -177,3 +221,32 @@ def test_scale_cast_declines_what_it_cannot_do():
     assert kernels.scale_cast(src, torch.tensor(2.0, device="cuda", dtype=torch.float64), None, torch.bfloat16) is None
     assert kernels.scale_cast(src.half(), torch.tensor(2.0, device="cuda"), None, torch.bfloat16) is None
     assert kernels.scale_cast(src.view(8, 8).t(), torch.tensor(2.0, device="cuda"), None, torch.bfloat16) is None
+
+
+@needs_kernels
+@pytest.mark.parametrize("recipe", [dtq.Float8CurrentScaling(), dtq.NVFP4BlockScaling(), dtq.MXFP8BlockScaling()],
+                         ids=["fp8", "nvfp4", "mxfp8"])
+def test_layernorm_mlp_link_is_bitwise_the_unlinked_composition(recipe):
+    """LayerNormMLP hands the SwiGLU kernels' amaxes to its GEMMs; the result must be bitwise what
+    the same GEMMs compute with their own amax passes."""
+    torch.manual_seed(6)
+    mlp = dtq.nn.LayerNormMLP(256, 512, bias=False, normalization="RMSNorm", activation="swiglu",
+                              swiglu_interleave=64, params_dtype=torch.bfloat16, device="cuda", name="mlp")
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+
+    def run(linked: bool):
+        xi = x.clone().requires_grad_(True)
+        for p in mlp.parameters():
+            p.grad = None
+        with dtq.autocast(recipe):
+            if linked:
+                y = mlp(xi)
+            else:
+                h = mlp._linear(mlp.norm(xi), mlp.fc1_weight, None, gemm=0)
+                y = mlp._linear(swiglu(h, 64), mlp.fc2_weight, None, gemm=1)
+        y.backward(dy)
+        return [y.detach(), xi.grad] + [p.grad.clone() for p in mlp.parameters()]
+
+    for got, ref in zip(run(True), run(False)):
+        _assert_bits(got, ref)

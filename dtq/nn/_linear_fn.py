@@ -10,6 +10,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from dtq.formats import COLUMNWISE, ROWWISE, Quantizer
+from dtq.formats.base import codec_for, shape_2d
 from dtq.gemm import Operand, mm
 from dtq.parallel import tp
 from dtq.recipe import QuantizerRole
@@ -52,17 +53,34 @@ class Slot:
         self.last_amax = amax
         return amax
 
+    def _known_amax(self, x: torch.Tensor, known: torch.Tensor, rowwise: bool, columnwise: bool) -> dict:
+        """``{direction: known}`` for the requested directions whose scale derives from max|x|
+        over the whole tensor (current scaling), where ``known`` is that value already (computed
+        by the kernel that produced x)."""
+        shape = shape_2d(x.shape)
+        out = {}
+        for d, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):
+            sub = self.quantizer.for_direction(d) if on else None
+            codec = codec_for(sub) if sub is not None else None
+            if (codec is not None and codec.needs_amax(sub, d) and codec.amax_space(sub, d) == "x"
+                    and tuple(codec.amax_shape(sub, d, shape)) == ()):
+                out[d] = known
+        return out
+
     def quantize(self, x: torch.Tensor, rowwise: bool, columnwise: bool, replay: bool = False,
-                 group=None, sync=None) -> torch.Tensor:
+                 group=None, sync=None, known_amax: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` quantized into the requested directions; with a ``group``, ``x`` is this rank's
         sequence-parallel shard and the result is the gathered whole (DESIGN 5: quantized, with
         scales agreed across the group). ``sync``: the :class:`dtq.parallel.amax.AmaxSync` that
-        reduces this step's delayed-scaling amax over the ranks sharing histories, or None."""
+        reduces this step's delayed-scaling amax over the ranks sharing histories, or None.
+        ``known_amax``: max|x| if the producer of x computed it (used by current scaling only)."""
         if group is not None and self.quantizer is None:
             return tp.gather_rows(x, group, reason=f"the recipe gives no quantizer for {self.role}")
         if self.quantizer is None or not (rowwise or columnwise):
             return x
         amax = self._delayed_amax(x, replay, group, sync) if self.history is not None else None
+        if amax is None and group is None and known_amax is not None:
+            amax = self._known_amax(x, known_amax, rowwise, columnwise) or None
         try:
             if group is None:
                 return self.quantizer.quantize(x, rowwise=rowwise, columnwise=columnwise, amax=amax)
@@ -158,7 +176,7 @@ class LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, sx: Slot, sw: Slot, sg: Slot, override: str | None,
                 need_dgrad: bool, need_wgrad: bool, replay: bool, name: str, tp_spec=None, group=None,
-                amax_sync=None):
+                amax_sync=None, x_amax=None, link=None):
         wl = _local_weight(weight)
         x2 = x.reshape(-1, x.shape[-1])
         gather = group if tp_spec is not None and tp_spec.gathers_input else None
@@ -168,7 +186,7 @@ class LinearFn(torch.autograd.Function):
             xq = sx.quantize(x2, rowwise=True, columnwise=False, replay=replay, sync=amax_sync)
         else:
             xq = sx.quantize(x2, rowwise=True, columnwise=bwd_cols and need_wgrad, replay=replay, group=gather,
-                             sync=amax_sync)
+                             sync=amax_sync, known_amax=x_amax)
             if gather is not None and not isinstance(xq, QuantizedTensor):
                 x2 = xq  # gathered in high precision (no quantizer for the input)
         if isinstance(wl, QuantizedTensor):
@@ -190,7 +208,7 @@ class LinearFn(torch.autograd.Function):
             # are refilled by the backward all-gather (columnwise, or what the override needs).
             saved_w = wl
         _save(ctx, saved_x if need_wgrad else None, saved_w if need_dgrad else None, keep=(wl,))
-        ctx.sg, ctx.override, ctx.name, ctx.amax_sync = sg, override, name, amax_sync
+        ctx.sg, ctx.override, ctx.name, ctx.amax_sync, ctx.link = sg, override, name, amax_sync, link
         ctx.need = (need_dgrad, need_wgrad, bias is not None and bias.requires_grad)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.tp, ctx.group = tp_spec, group
@@ -212,7 +230,9 @@ class LinearFn(torch.autograd.Function):
         scatter = ctx.group if ctx.tp is not None and ctx.tp.scatters_output else None
         dx = dw = db = None
         if ctx.override is None:
-            gq = ctx.sg.quantize(dy2, rowwise=need_dgrad, columnwise=need_wgrad, group=scatter, sync=ctx.amax_sync)
+            known = ctx.link.take_grad_amax() if ctx.link is not None else None  # max|dy| from the next op's kernel
+            gq = ctx.sg.quantize(dy2, rowwise=need_dgrad, columnwise=need_wgrad, group=scatter, sync=ctx.amax_sync,
+                                 known_amax=known)
             if need_dgrad:
                 if isinstance(saved_w, QuantizedTensor) and not saved_w.has(COLUMNWISE):
                     raise RuntimeError(f"dtq: {ctx.name}: the weight has no columnwise payload for dgrad (it holds "
@@ -247,7 +267,8 @@ class LinearFn(torch.autograd.Function):
             if ctx.tp is not None and ctx.tp.gathers_input:
                 dx = tp.reduce_scatter_rows(dx, ctx.group)
             dx = dx.reshape(ctx.x_shape)
-        return dx, _as_param_grad(dw, ctx.w_spec), db, None, None, None, None, None, None, None, None, None, None, None
+        return (dx, _as_param_grad(dw, ctx.w_spec), db, None, None, None, None, None, None, None, None, None, None, None,
+                None, None)
 
 
 def _as_param_grad(g: torch.Tensor | None, spec) -> torch.Tensor | None:

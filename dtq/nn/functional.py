@@ -5,9 +5,15 @@ Eager PyTorch spends five kernels on it (silu, mul; in backward two muls, silu's
 the cat of the halves' gradients) and saves ``silu(gate)`` beside the GEMM output; for a
 Llama-3-8B MLP at 8k tokens that is a fifth of an FP8 step. The formulas below, in fp32 with
 every operation rounded once, define the bits on every device; the kernel reproduces them.
+
+Between two dtq GEMMs (``LayerNormMLP``) the kernels also hand over the amaxes the next
+quantization needs (:class:`AmaxLink`), so current scaling skips its own amax passes over ``h``
+and over the gradient of the gate/up tensor, the largest activation of the MLP.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -49,31 +55,54 @@ def _use_kernel(*tensors: torch.Tensor) -> bool:
             and kernels.available(x.device))
 
 
+@dataclasses.dataclass
+class AmaxLink:
+    """Amaxes the fused kernels compute for free, for the dtq GEMMs on either side: ``h_amax``
+    (max|h|, set by the forward: the down projection's input) and ``grad_amax`` (max|dx|, set by
+    the backward: the up projection's output gradient, read once by its backward). Each is the
+    exact value an amax pass would give, or None where no kernel ran."""
+
+    h_amax: torch.Tensor | None = None
+    grad_amax: torch.Tensor | None = None
+
+    def take_grad_amax(self) -> torch.Tensor | None:
+        amax, self.grad_amax = self.grad_amax, None
+        return amax
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, block: int) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, block: int, link: AmaxLink | None) -> torch.Tensor:
         ctx.save_for_backward(x)
-        ctx.block = block
+        ctx.block, ctx.link = block, link
         if _use_kernel(x):
             lead = x.shape[:-1]
-            return kernels.swiglu(x.contiguous().reshape(-1, x.shape[-1]), block).reshape(*lead, -1)
+            h, amax = kernels.swiglu(x.contiguous().reshape(-1, x.shape[-1]), block, want_amax=link is not None)
+            if link is not None:
+                link.h_amax = amax
+            return h.reshape(*lead, -1)
         return swiglu_reference(x, block)
 
     @staticmethod
     def backward(ctx, dh: torch.Tensor):
         (x,) = ctx.saved_tensors
+        link = ctx.link
         if _use_kernel(x, dh):
-            dx = kernels.swiglu_backward(dh.contiguous().reshape(-1, dh.shape[-1]),
-                                         x.contiguous().reshape(-1, x.shape[-1]), ctx.block)
-            return dx.reshape(x.shape), None
-        return swiglu_backward_reference(dh, x, ctx.block), None
+            dx, amax = kernels.swiglu_backward(dh.contiguous().reshape(-1, dh.shape[-1]),
+                                               x.contiguous().reshape(-1, x.shape[-1]), ctx.block,
+                                               want_amax=link is not None)
+            if link is not None:
+                link.grad_amax = amax
+            return dx.reshape(x.shape), None, None
+        return swiglu_backward_reference(dh, x, ctx.block), None, None
 
 
 @torch.compiler.disable  # already one kernel each way; inside a compiled region, a graph break
-def swiglu(x: torch.Tensor, block: int | None = None) -> torch.Tensor:
+def swiglu(x: torch.Tensor, block: int | None = None, *, link: AmaxLink | None = None) -> torch.Tensor:
     """``silu(a) * b`` of ``x = [..., 2F]``: ``a`` the first half of the last dim and ``b`` the
     second, or, with ``block=B``, gate and up alternating in blocks of ``B`` columns
-    (``LayerNormMLP(swiglu_interleave=B)``). Differentiable; one kernel each way on sm_90+."""
+    (``LayerNormMLP(swiglu_interleave=B)``). Differentiable; one kernel each way on sm_90+.
+    ``link``: receives max|h| and, in backward, max|dx| (see :class:`AmaxLink`)."""
     if x.dim() == 0 or x.shape[-1] % 2:
         raise ValueError(f"swiglu: the last dim of x (shape {tuple(x.shape)}) must be even: gate and up halves")
     f = x.shape[-1] // 2
@@ -82,4 +111,4 @@ def swiglu(x: torch.Tensor, block: int | None = None) -> torch.Tensor:
         raise ValueError(f"swiglu: block={block} must divide half the last dim ({f}) of x (shape {tuple(x.shape)})")
     if not x.is_floating_point():
         raise ValueError(f"swiglu: x must be floating point, got {x.dtype}")
-    return _SwiGLU.apply(x, block)
+    return _SwiGLU.apply(x, block, link)

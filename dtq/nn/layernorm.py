@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dtq.nn.functional import swiglu
+from dtq.nn.functional import AmaxLink, swiglu
 from dtq.nn.module import QuantizedModule, init_bias, init_weight
 from dtq.parallel import tp
 
@@ -91,9 +91,11 @@ class LayerNormMLP(QuantizedModule):
         return ["fc1_weight", "fc2_weight"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self._linear(self.norm(x), self.fc1_weight, self.fc1_bias, gemm=0)
         if self.activation == "swiglu":
-            h = swiglu(h, self.swiglu_interleave)
-        else:
-            h = F.gelu(h, approximate="tanh")
-        return self._linear(h, self.fc2_weight, self.fc2_bias, gemm=1)
+            # the fused kernels hand max|h| to fc2 and max|d(fc1 out)| to fc1's backward
+            link = AmaxLink()
+            h = self._linear(self.norm(x), self.fc1_weight, self.fc1_bias, gemm=0, link=link)
+            h = swiglu(h, self.swiglu_interleave, link=link)
+            return self._linear(h, self.fc2_weight, self.fc2_bias, gemm=1, x_amax=link.h_amax)
+        h = self._linear(self.norm(x), self.fc1_weight, self.fc1_bias, gemm=0)
+        return self._linear(F.gelu(h, approximate="tanh"), self.fc2_weight, self.fc2_bias, gemm=1)

@@ -163,7 +163,11 @@ class QuantizedModule(torch.nn.Module):
     # dtq modules (norms, activations, attention). Dynamo cannot trace the ambient recipe, the
     # payload dicts or the kernels' extension calls.
     @torch.compiler.disable
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemm: int = 0) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemm: int = 0, *,
+                x_amax: torch.Tensor | None = None, link=None) -> torch.Tensor:
+        """One GEMM of the module under the active recipe. ``x_amax``: max|x| if known (computed
+        by the op that produced x); ``link``: a ``dtq.nn.functional.AmaxLink`` whose ``grad_amax``
+        the next op's backward sets to max|dy|. Both only spare current scaling an amax pass."""
         name = f"{type(self).__name__} {self.name!r}{self.gemm_suffixes()[gemm]}"
         spec = self._dtq_tp.get(gemm) if self._dtq_tp else None  # set by dtq.parallel's TP styles
         group = self._dtq_tp_mesh.get_group() if spec is not None else None
@@ -206,7 +210,7 @@ class QuantizedModule(torch.nn.Module):
             grad = torch.is_grad_enabled()
             y = LinearFn.apply(x, weight, bias, sx, sw, sg, recipe.backward_override,
                                grad and x.requires_grad, grad and weight.requires_grad, replay, name, spec, group,
-                               getattr(self, "_dtq_amax_sync", None))
+                               getattr(self, "_dtq_amax_sync", None), x_amax, link)
         if spec is not None and spec.kind == "row":
             if not spec.sequence_parallel:
                 y = tp.ReduceFromTP.apply(y, group)
