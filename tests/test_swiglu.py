@@ -236,6 +236,7 @@ def test_layernorm_mlp_link_is_bitwise_the_unlinked_composition(recipe):
     dy = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
 
     def run(linked: bool):
+        torch.manual_seed(8)  # NVFP4's stochastic rounding draws its seeds from the generator
         xi = x.clone().requires_grad_(True)
         for p in mlp.parameters():
             p.grad = None
@@ -246,7 +247,8 @@ def test_layernorm_mlp_link_is_bitwise_the_unlinked_composition(recipe):
                 h = mlp._linear(mlp.norm(xi), mlp.fc1_weight, None, gemm=0)
                 y = mlp._linear(swiglu(h, 64), mlp.fc2_weight, None, gemm=1)
         y.backward(dy)
-        return [y.detach(), xi.grad] + [p.grad.clone() for p in mlp.parameters()]
+        return {"y": y.detach(), "dx": xi.grad, **{n: p.grad.clone() for n, p in mlp.named_parameters()}}
 
-    for got, ref in zip(run(True), run(False)):
-        _assert_bits(got, ref)
+    got, ref = run(True), run(False)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=0, atol=0, equal_nan=True, msg=name)
