@@ -134,19 +134,27 @@ __device__ __forceinline__ uint32_t e2m1_rne_bf(float x) {
   return m | s;
 }
 
-// _bits.e2m1_encode_stochastic (common.cuh's e2m1_sr) without the division: the grid spacing
-// ghi - glo is 0.5, 1 or 2, so (v - glo) / spacing is the exact product with 2, 1 or 0.5 (v - glo
-// is a multiple of ulp(v) >= 2**-149 * 2 when it is halved, so no rounding happens either way).
+// _bits.e2m1_encode_stochastic (common.cuh's e2m1_sr) on the fp32 bits, without compares over the
+// grid or an int-to-float conversion where |x| >= 1 (this encode bounds the NVFP4 kernels, which
+// are instruction-bound on sm_90). v = min(|x|, 6). From 1 up the grid has one mantissa bit: the
+// lower grid code is (bits >> 22) - 252 (2..7), and the fraction of the way to the next grid
+// point, (v - glo) / spacing (exact), is the remaining 22 mantissa bits over 2**22, so the
+// reference's u < frac with u = (r >> 8) * 2**-24 is the integer compare (r >> 8) < those bits
+// * 4; at v = 6 they are 0 and the code stays 7. Below 1 the grid is 0, 0.5, 1: as the reference.
 __device__ __forceinline__ uint32_t e2m1_sr_fast(float x, uint32_t r) {
-  if (is_nan(x)) return 7;
-  float v = fabsf(x);
-  if (v > 6.f) v = 6.f;
-  uint32_t lo = (v >= 0.5f) + (v >= 1.f) + (v >= 1.5f) + (v >= 2.f) + (v >= 3.f) + (v >= 4.f) + (v >= 6.f);
-  const float glo = e2m1_magnitude(lo);
-  const float inv = lo < 4 ? 2.f : (lo < 6 ? 1.f : 0.5f);
-  const float frac = lo == 7 ? 0.f : __fmul_rn(__fsub_rn(v, glo), inv);
-  const float u = __fmul_rn(float(r >> 8), 5.9604644775390625e-08f);
-  const uint32_t m = u < frac ? lo + 1 : lo;
+  const uint32_t ax = abs_bits(x);
+  if (ax > 0x7F800000u) return 7;               // NaN -> +6
+  const uint32_t b = ax > 0x40C00000u ? 0x40C00000u : ax;  // min(|x|, 6), on the bits
+  uint32_t m;
+  if (b >= 0x3F800000u) {
+    const uint32_t lo = (b >> 22) - 252u;
+    m = (r >> 8) < ((b & 0x3FFFFFu) << 2) ? lo + 1 : lo;
+  } else {
+    const uint32_t lo = b >= 0x3F000000u;       // 0 or 1 (0.5)
+    const float frac = __fmul_rn(__fsub_rn(u2f(b), lo ? 0.5f : 0.f), 2.f);
+    const float u = __fmul_rn(float(r >> 8), 5.9604644775390625e-08f);  // * 2**-24
+    m = u < frac ? lo + 1 : lo;
+  }
   return m | ((f2u(x) >> 28) & 8);
 }
 
@@ -168,9 +176,10 @@ __device__ __forceinline__ float block_params(const SlotCfg& s, float bam, float
   }
 }
 
-__device__ __forceinline__ uint32_t fp4_code(float v, float mult, bool sr, uint32_t key, int64_t idx) {
+// idx: the element's flat index mod 2**32 (all the counter hash reads of it), in 32-bit arithmetic.
+__device__ __forceinline__ uint32_t fp4_code(float v, float mult, bool sr, uint32_t key, uint32_t idx) {
   const float y = __fmul_rn(v, mult);
-  const uint32_t c = sr ? e2m1_sr_fast(y, rand_at(key, uint64_t(idx))) : e2m1_rne_bf(y);
+  const uint32_t c = sr ? e2m1_sr_fast(y, hash32(idx ^ key)) : e2m1_rne_bf(y);
   return mult == 0.f ? 0u : c;  // s_b == 0: the whole block is code 0
 }
 
@@ -198,7 +207,7 @@ __device__ __forceinline__ void store_row(const SlotCfg& s, const Regs<T>& d, in
     uint32_t w = 0;
     const bool sr = s.sr;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) w |= fp4_code(d.f(i, j), mult(j), sr, key, off + j) << (4 * j);
+    for (int j = 0; j < 8; ++j) w |= fp4_code(d.f(i, j), mult(j), sr, key, uint32_t(off) + j) << (4 * j);
     *reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(s.data) + off / 2) = w;
   } else if constexpr (S::kind == kIdentity) {
     const int od = s.out_dtype;
@@ -417,7 +426,8 @@ __device__ __forceinline__ void do_slot(const SlotCfg& s, const SlotConst& c, co
         bits[j] = sb;
         const float f = nvfp4_factor(sb, c.s_enc);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) codes[i] |= fp4_code(v[i], f, sr, c.key, (row0 + i) * K + col + j) << (4 * j);
+        for (int i = 0; i < 8; ++i)
+          codes[i] |= fp4_code(v[i], f, sr, c.key, uint32_t(row0 + i) * uint32_t(K) + uint32_t(col) + j) << (4 * j);
       }
       if (row0 < M && cok) {
         if (h == 0) store_scales8<kNVFP4>(s, (row0 / 16) * K + col, bits);
