@@ -236,6 +236,8 @@ void dequantize(const at::Tensor& data, const c10::optional<at::Tensor>& scale, 
   TORCH_CHECK(cfg.size() == 7 || cfg.size() == 8, "dtq kernels: dequantize config needs 7 ints (an 8th: widest "
               "vector width allowed, 16 or 8, for benchmarks)");
   const int64_t max_width = cfg.size() == 8 ? cfg[7] : 16;
+  TORCH_CHECK(max_width == 16 || max_width == 8, "dtq kernels: dequantize vector width must be 16 or 8, got ",
+              max_width);
   TORCH_CHECK(out.is_cuda() && out.dim() == 2 && out.is_contiguous() &&
                   (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
               "dtq kernels: dequantize out must be a contiguous fp32 or bf16 [M, K] CUDA tensor");

@@ -126,7 +126,7 @@ __device__ __forceinline__ uint32_t fp8_fix_nan(uint32_t c, bool e5m2) {
 // _bits.e2m1_encode (same function as common.cuh's e2m1_rne), branch-free.
 __device__ __forceinline__ uint32_t e2m1_rne_bf(float x) {
   const uint32_t b = abs_bits(x);
-  const uint32_t lo = __float2uint_rn(__fmul_rn(u2f(b), 2.f));        // |x| < 1: rint(2|x|)
+  const uint32_t lo = (b > 0x3E800000u) + (b >= 0x3F400000u);        // |x| < 1: rint(2|x|), ties to even
   uint32_t hi = ((b + 0x1FFFFFu + ((b >> 22) & 1u)) >> 22) - 252u;    // |x| >= 1 (NaN: > 7)
   hi = hi > 7u ? 7u : hi;
   const uint32_t m = b < 0x3F800000u ? lo : hi;

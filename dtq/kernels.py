@@ -264,7 +264,8 @@ def swiglu_backward(dh: torch.Tensor, x: torch.Tensor, block: int,
 def scale_cast(out: torch.Tensor, fa: torch.Tensor | None, fb: torch.Tensor | None,
                dtype: torch.dtype) -> torch.Tensor | None:
     """``((out * fa) * fb).to(dtype)`` for a contiguous fp32 CUDA ``out`` and 0-dim fp32 factors on
-    its device (either None) in one pass; None where the kernel does not apply."""
+    its device (either None) in one pass; None where the kernel does not apply. With ``dtype``
+    float32 the result is written into ``out`` itself (callers pass a buffer of their own)."""
     factors_ok = all(f is None or (f.device == out.device and f.dtype == torch.float32 and f.numel() == 1)
                      for f in (fa, fb))
     if (not factors_ok or out.dtype != torch.float32 or dtype not in _DTYPE_CODE or not out.is_cuda

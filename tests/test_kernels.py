@@ -195,7 +195,7 @@ def test_given_amax_and_seed_tensor(name):
 
 
 @needs_cuda
-@pytest.mark.parametrize("shape", [(256, 384), (96, 392), (130, 200)], ids=str)  # 16-, 8- and 1-wide kernels
+@pytest.mark.parametrize("shape", [(256, 384), (96, 392), (130, 196)], ids=str)  # 16-, 8- and 1-wide kernels
 @pytest.mark.parametrize("name", [n for n in ALL if not n.startswith("identity")])
 def test_dequantize_matches_reference(name, shape):
     q = ALL[name]

@@ -354,7 +354,8 @@ class _Inject(torch.autograd.Function):
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
 def test_high_precision_override_layernorm_modules_bitwise(activation, normalization):
     """Per GEMM, high_precision backward equals torch's backward of the unquantized ops applied to
-    the same (quantized-forward) activations, through the norm and activation as well."""
+    the same (quantized-forward) activations, through the norm and the module's activation (dtq's
+    fused SwiGLU, one rounding; gelu: torch's)."""
     F = torch.nn.functional
     recipe = dtq.MXFP8BlockScaling(backward_override="high_precision")
     torch.manual_seed(7)

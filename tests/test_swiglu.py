@@ -162,7 +162,7 @@ def _assert_bits(a: torch.Tensor, b: torch.Tensor):
 @pytest.mark.parametrize("rows, F, block, offset", [
     (512, 1024, None, 0),   # halves, vectorized
     (300, 96, 32, 0),       # interleaved, vectorized
-    (33, 12, None, 0),      # F not a multiple of the vector width: scalar
+    (33, 12, None, 0),      # F not a multiple of the 16-bit dtypes' vector width: scalar (fp32: 4-wide)
     (64, 64, 64, 1),        # misaligned base pointer: scalar
     (7, 40, 8, 0),
 ])
@@ -191,6 +191,46 @@ def test_kernel_bits_match_reference_on_cuda(dtype, rows, F, block, offset):
     _assert_bits(h[0], swiglu_reference(x, blk))
     h.sum().backward()
     _assert_bits(xa.grad[0], swiglu_backward_reference(torch.ones_like(dh), x, blk))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_amax_is_the_max_over_every_block(dtype):
+    """Finite inputs, the largest output in the last rows (the last CTA's share of a strided grid):
+    the handed-over amax must equal the amax kernel's over the whole output."""
+    torch.manual_seed(9)
+    rows, F = 4096, 512
+    x = torch.randn(rows, 2 * F, device="cuda").to(dtype)
+    x[-1, F - 1], x[-1, -1] = 8.0, 50.0   # h[-1, -1] = silu(8) * 50, the largest by far
+    dh = torch.randn(rows, F, device="cuda").to(dtype)
+    dh[-1, -1] = 100.0
+    for out, amax in (kernels.swiglu(x, F, want_amax=True), kernels.swiglu_backward(dh, x, F, want_amax=True)):
+        expect = kernels.amax(out, True, None)[0]
+        assert torch.isfinite(expect) and expect > 0
+        assert torch.equal(amax.view(torch.int32), expect.view(torch.int32))
+        assert amax == out.abs().max().float()
+
+
+def test_double_backward_and_float64():
+    """create_graph takes the reference's differentiable ops; float64 is computed in float64."""
+    x = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(swiglu, (x,))
+    assert torch.autograd.gradgradcheck(swiglu, (x,))
+    a, b = x.detach().chunk(2, dim=-1)
+    torch.testing.assert_close(swiglu(x), torch.nn.functional.silu(a) * b, rtol=1e-14, atol=1e-15)
+
+
+@needs_kernels
+def test_kernel_path_empty_and_double_backward_on_cuda():
+    assert swiglu(torch.empty(0, 16, device="cuda", dtype=torch.bfloat16)).shape == (0, 8)
+    x = torch.randn(32, 64, device="cuda", requires_grad=True)
+    (g,) = torch.autograd.grad(swiglu(x).sum(), x, create_graph=True)
+    (gg,) = torch.autograd.grad(g.sum(), x)
+    xr = x.detach().clone().requires_grad_(True)
+    a, b = xr.chunk(2, dim=-1)
+    (gr,) = torch.autograd.grad((torch.nn.functional.silu(a) * b).sum(), xr, create_graph=True)
+    (ggr,) = torch.autograd.grad(gr.sum(), xr)
+    torch.testing.assert_close(gg, ggr, rtol=1e-4, atol=1e-5)  # fp32, different op orders
 
 
 @needs_kernels

@@ -3,12 +3,16 @@ pass each on the GPU (csrc/swiglu.cu).
 
 Eager PyTorch spends five kernels on it (silu, mul; in backward two muls, silu's backward and
 the cat of the halves' gradients) and saves ``silu(gate)`` beside the GEMM output; for a
-Llama-3-8B MLP at 8k tokens that is a fifth of an FP8 step. The formulas below, in fp32 with
-every operation rounded once, define the bits on every device; the kernel reproduces them.
+Llama-3-8B MLP at 8k tokens that is a fifth of an FP8 step. The formulas below fix the
+arithmetic: fp32 (or the input's wider dtype), every operation rounded once, one rounding to the
+input dtype at the end (eager ``F.silu(a) * b`` rounds ``silu(a)`` first). The kernel reproduces
+the reference run through torch's CUDA ops bit for bit; on the CPU, torch's own ``exp`` may differ
+from CUDA's in the last bit.
 
 Between two dtq GEMMs (``LayerNormMLP``) the kernels also hand over the amaxes the next
-quantization needs (:class:`AmaxLink`), so current scaling skips its own amax passes over ``h``
-and over the gradient of the gate/up tensor, the largest activation of the MLP.
+quantization needs (:class:`AmaxLink`): FP8 current scaling (and NVFP4 directions without the
+random Hadamard) then skip their amax passes over ``h`` and over the gradient of the gate/up
+tensor, the largest activation of the MLP.
 """
 
 from __future__ import annotations
@@ -30,18 +34,22 @@ def _silu_parts(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return a / d, 1.0 / d  # silu(a), sigmoid(a)
 
 
+def _math_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)  # fp32, or float64 for float64 inputs
+
+
 def swiglu_reference(x: torch.Tensor, block: int) -> torch.Tensor:
-    """``silu(a) * b`` in fp32, rounded to ``x.dtype``; ``a``/``b``: alternating blocks of
-    ``block`` columns of ``x`` (``block = F``: the two halves)."""
-    a, b = (t.float() for t in _halves(x, block))
+    """``silu(a) * b`` in fp32 (float64 for float64 x), rounded to ``x.dtype``; ``a``/``b``:
+    alternating blocks of ``block`` columns of ``x`` (``block = F``: the two halves)."""
+    a, b = (t.to(_math_dtype(x)) for t in _halves(x, block))
     silu, _ = _silu_parts(a)
     return (silu * b).to(x.dtype)
 
 
 def swiglu_backward_reference(dh: torch.Tensor, x: torch.Tensor, block: int) -> torch.Tensor:
     """Gradient of ``x`` ([..., 2F], gate/up blocks as in :func:`swiglu_reference`) from ``dh``."""
-    a, b = (t.float() for t in _halves(x, block))
-    d = dh.float()
+    a, b = (t.to(_math_dtype(x)) for t in _halves(x, block))
+    d = dh.to(a.dtype)
     silu, s = _silu_parts(a)
     da = (d * b) * (s * (1.0 + a * (1.0 - s)))
     db = d * silu
@@ -49,10 +57,9 @@ def swiglu_backward_reference(dh: torch.Tensor, x: torch.Tensor, block: int) -> 
 
 
 def _use_kernel(*tensors: torch.Tensor) -> bool:
-    x = tensors[0]
-    return (x.is_cuda and x.dtype in kernels.INPUT_DTYPES and all(t.device == x.device and t.dtype == x.dtype
-                                                                   for t in tensors)
-            and kernels.available(x.device))
+    x = tensors[0]  # plain tensors only (a DTensor or other subclass takes the reference's torch ops)
+    return (all(type(t) is torch.Tensor and t.device == x.device and t.dtype == x.dtype for t in tensors)
+            and x.is_cuda and x.dtype in kernels.INPUT_DTYPES and kernels.available(x.device))
 
 
 @dataclasses.dataclass
@@ -80,14 +87,15 @@ class _SwiGLU(torch.autograd.Function):
             h, amax = kernels.swiglu(x.contiguous().reshape(-1, x.shape[-1]), block, want_amax=link is not None)
             if link is not None:
                 link.h_amax = amax
-            return h.reshape(*lead, -1)
+            return h.reshape(*lead, x.shape[-1] // 2)
         return swiglu_reference(x, block)
 
     @staticmethod
     def backward(ctx, dh: torch.Tensor):
         (x,) = ctx.saved_tensors
         link = ctx.link
-        if _use_kernel(x, dh):
+        # create_graph (double backward): the reference's differentiable torch ops
+        if _use_kernel(x, dh) and not torch.is_grad_enabled():
             dx, amax = kernels.swiglu_backward(dh.contiguous().reshape(-1, dh.shape[-1]),
                                                x.contiguous().reshape(-1, x.shape[-1]), ctx.block,
                                                want_amax=link is not None)

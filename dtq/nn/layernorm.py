@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dtq.autocast import active_recipe
 from dtq.nn.functional import AmaxLink, swiglu
 from dtq.nn.module import QuantizedModule, init_bias, init_weight
 from dtq.parallel import tp
@@ -92,10 +93,12 @@ class LayerNormMLP(QuantizedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":
-            # the fused kernels hand max|h| to fc2 and max|d(fc1 out)| to fc1's backward
-            link = AmaxLink()
+            # the fused kernels hand max|h| to fc2 and max|d(fc1 out)| to fc1's backward (asked for
+            # under a current-scaling recipe only: other scalings never read them)
+            recipe = active_recipe()
+            link = AmaxLink() if recipe is not None and not recipe.delayed else None
             h = self._linear(self.norm(x), self.fc1_weight, self.fc1_bias, gemm=0, link=link)
             h = swiglu(h, self.swiglu_interleave, link=link)
-            return self._linear(h, self.fc2_weight, self.fc2_bias, gemm=1, x_amax=link.h_amax)
+            return self._linear(h, self.fc2_weight, self.fc2_bias, gemm=1, x_amax=link and link.h_amax)
         h = self._linear(self.norm(x), self.fc1_weight, self.fc1_bias, gemm=0)
         return self._linear(F.gelu(h, approximate="tanh"), self.fc2_weight, self.fc2_bias, gemm=1)
