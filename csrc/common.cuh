@@ -60,6 +60,16 @@ template <> struct InType<__half> {
   static __device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
 };
 template <typename T> __device__ __forceinline__ float to_f32(T v) { return InType<T>::to_f32(v); }
+// The RNE cast of an fp32 value into an element (torch's own float -> bf16 / fp16 conversion).
+__device__ __forceinline__ void from_f32(float* p, float v) { *p = v; }
+__device__ __forceinline__ void from_f32(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void from_f32(__half* p, float v) { *p = __float2half_rn(v); }
+
+// V elements moved as one aligned vector (16 bytes for the elementwise kernels).
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Pack {
+  T v[V];
+};
 
 // floor(log2(v)) for positive finite v, subnormals included (torch.frexp exponent - 1).
 __device__ __forceinline__ int floor_log2(float v) {

@@ -56,15 +56,13 @@ __device__ __forceinline__ float element(const DeqCfg& d, float s_enc, int64_t r
   return v;
 }
 
-__device__ __forceinline__ void store(float* p, float v) { *p = v; }
-__device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 
 template <typename OutT>
 __global__ void __launch_bounds__(kThreads) dequant_kernel(DeqCfg d, OutT* __restrict__ out) {
   const float s_enc = d.kind == kNVFP4 ? nvfp4_senc(*d.tensor) : 1.f;
   const int64_t n = d.M * d.K;
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads)
-    store(out + i, element(d, s_enc, i / d.K, i % d.K));
+    from_f32(out + i, element(d, s_enc, i / d.K, i % d.K));
 }
 
 __device__ __forceinline__ void store8(float* p, const float (&v)[8]) {
@@ -212,7 +210,7 @@ __global__ void __launch_bounds__(kThreads) dequant_hadamard_kernel(DeqCfg d, Ou
     walsh16(v);
 #pragma unroll
     for (int i = 0; i < 16; ++i)
-      store(out + (g * 16 + i) * d.K + c, __fmul_rn(__fmul_rn(v[i], 0.25f), ((d.signs >> i) & 1) ? -1.f : 1.f));
+      from_f32(out + (g * 16 + i) * d.K + c, __fmul_rn(__fmul_rn(v[i], 0.25f), ((d.signs >> i) & 1) ? -1.f : 1.f));
   }
 }
 

@@ -17,15 +17,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ void put(float* p, float v) { *p = v; }
-__device__ __forceinline__ void put(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
-__device__ __forceinline__ void put(__half* p, float v) { *p = __float2half_rn(v); }
-
-template <typename T, int V>
-struct alignas(sizeof(T) * V) Pack {
-  T v[V];
-};
-
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads) scale_cast_kernel(const float* src, T* dst,  // may be one buffer (fp32)
                                                               const float* __restrict__ fa,
@@ -40,7 +31,7 @@ __global__ void __launch_bounds__(kThreads) scale_cast_kernel(const float* src, 
       float v = in.v[i];
       if (fa) v = __fmul_rn(v, a);
       if (fb) v = __fmul_rn(v, b);
-      put(&out.v[i], v);
+      from_f32(&out.v[i], v);
     }
     *reinterpret_cast<Pack<T, V>*>(dst + p * V) = out;
   }

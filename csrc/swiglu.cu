@@ -31,22 +31,14 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ float load_f32(const float* p) { return *p; }
-__device__ __forceinline__ float load_f32(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-__device__ __forceinline__ float load_f32(const __half* p) { return __half2float(*p); }
-__device__ __forceinline__ void store_f32(float* p, float v) { *p = v; }
-__device__ __forceinline__ void store_f32(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
-__device__ __forceinline__ void store_f32(__half* p, float v) { *p = __float2half_rn(v); }
-
-template <typename T, int V>
-struct alignas(sizeof(T) * V) Pack {
-  T v[V];
-};
-
 struct Geometry {
   int64_t rows, F, B;  // h is [rows, F]; x is [rows, 2F]; gate/up blocks of B columns
-  __device__ __forceinline__ int64_t gate_offset(int64_t r, int64_t j) const {
-    return r * 2 * F + (j / B) * 2 * B + j % B;
+  // Pack p of V output columns: its row r, first column j, and the offset of its gate elements.
+  template <int V>
+  __device__ __forceinline__ void locate(int64_t p, int64_t& r, int64_t& j, int64_t& gate) const {
+    r = p / (F / V);
+    j = (p % (F / V)) * V;
+    gate = r * 2 * F + (j / B) * 2 * B + j % B;
   }
 };
 
@@ -79,17 +71,17 @@ __global__ void __launch_bounds__(kThreads) swiglu_fwd_kernel(const T* __restric
   uint32_t m = 0;
   const int64_t packs = g.rows * (g.F / V);
   for (int64_t p = int64_t(blockIdx.x) * kThreads + threadIdx.x; p < packs; p += int64_t(gridDim.x) * kThreads) {
-    const int64_t r = p / (g.F / V), j = (p % (g.F / V)) * V;
-    const int64_t gi = g.gate_offset(r, j);
+    int64_t r, j, gi;
+    g.locate<V>(p, r, j, gi);
     const Pack<T, V> a = *reinterpret_cast<const Pack<T, V>*>(x + gi);
     const Pack<T, V> b = *reinterpret_cast<const Pack<T, V>*>(x + gi + g.B);
     Pack<T, V> out;
 #pragma unroll
     for (int i = 0; i < V; ++i) {
       float s;
-      const float silu = silu_of(load_f32(&a.v[i]), &s);
-      store_f32(&out.v[i], __fmul_rn(silu, load_f32(&b.v[i])));
-      m = umax(m, abs_bits(load_f32(&out.v[i])));
+      const float silu = silu_of(to_f32(a.v[i]), &s);
+      from_f32(&out.v[i], __fmul_rn(silu, to_f32(b.v[i])));
+      m = umax(m, abs_bits(to_f32(out.v[i])));
     }
     *reinterpret_cast<Pack<T, V>*>(h + r * g.F + j) = out;
   }
@@ -102,21 +94,21 @@ __global__ void __launch_bounds__(kThreads) swiglu_bwd_kernel(const T* __restric
   uint32_t m = 0;
   const int64_t packs = g.rows * (g.F / V);
   for (int64_t p = int64_t(blockIdx.x) * kThreads + threadIdx.x; p < packs; p += int64_t(gridDim.x) * kThreads) {
-    const int64_t r = p / (g.F / V), j = (p % (g.F / V)) * V;
-    const int64_t gi = g.gate_offset(r, j);
+    int64_t r, j, gi;
+    g.locate<V>(p, r, j, gi);
     const Pack<T, V> a = *reinterpret_cast<const Pack<T, V>*>(x + gi);
     const Pack<T, V> b = *reinterpret_cast<const Pack<T, V>*>(x + gi + g.B);
     const Pack<T, V> d = *reinterpret_cast<const Pack<T, V>*>(dh + r * g.F + j);
     Pack<T, V> da, db;
 #pragma unroll
     for (int i = 0; i < V; ++i) {
-      const float av = load_f32(&a.v[i]), bv = load_f32(&b.v[i]), dv = load_f32(&d.v[i]);
+      const float av = to_f32(a.v[i]), bv = to_f32(b.v[i]), dv = to_f32(d.v[i]);
       float s;
       const float silu = silu_of(av, &s);
       const float ds = __fmul_rn(s, __fadd_rn(1.0f, __fmul_rn(av, __fsub_rn(1.0f, s))));
-      store_f32(&da.v[i], __fmul_rn(__fmul_rn(dv, bv), ds));
-      store_f32(&db.v[i], __fmul_rn(dv, silu));
-      m = umax(m, umax(abs_bits(load_f32(&da.v[i])), abs_bits(load_f32(&db.v[i]))));
+      from_f32(&da.v[i], __fmul_rn(__fmul_rn(dv, bv), ds));
+      from_f32(&db.v[i], __fmul_rn(dv, silu));
+      m = umax(m, umax(abs_bits(to_f32(da.v[i])), abs_bits(to_f32(db.v[i]))));
     }
     *reinterpret_cast<Pack<T, V>*>(dx + gi) = da;
     *reinterpret_cast<Pack<T, V>*>(dx + gi + g.B) = db;
