@@ -3,6 +3,7 @@ recipe asks for, with the backward override applied (DESIGN section 4)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import weakref
 
@@ -13,6 +14,7 @@ from dtq.formats import COLUMNWISE, ROWWISE, Quantizer
 from dtq.formats.base import codec_for, shape_2d
 from dtq.gemm import Operand, mm
 from dtq.parallel import tp
+from dtq.parallel._torch_private import checkpoint_region
 from dtq.recipe import QuantizerRole
 from dtq.tensor import QuantizedTensor
 
@@ -29,15 +31,24 @@ class Slot:
     margin: int = 0
     most_recent: bool = False
     last_amax: torch.Tensor | None = None
+    # Scales used inside torch.utils.checkpoint regions, in call order, for their recompute:
+    # {region: deque of amaxes} (weak keys: a region's entries go when its graph does).
+    replays: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
 
     @torch.no_grad()
     def _delayed_amax(self, x: torch.Tensor, replay: bool, group=None, sync=None) -> torch.Tensor:
-        if replay and self.last_amax is not None:
-            return self.last_amax  # a recompute sees the forward's scale; the history moves once
-        hist = getattr(self.owner(), self.history)  # looked up each time: .to()/.cuda() replace buffers
+        if replay and (amax := self.replayed_amax()) is not None:
+            return amax
         cur = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
         if group is not None:  # a sequence-parallel shard: the history tracks the whole tensor
             torch.distributed.all_reduce(cur, op=torch.distributed.ReduceOp.MAX, group=group)
+        return self.delayed_amax(cur, sync)
+
+    @torch.no_grad()
+    def delayed_amax(self, cur: torch.Tensor, sync=None) -> torch.Tensor:
+        """The delayed-scaling amax for a tensor whose current amax (over the whole tensor) is
+        ``cur``: from the history, which then takes ``cur`` as its newest entry."""
+        hist = getattr(self.owner(), self.history)  # looked up each time: .to()/.cuda() replace buffers
         # Under autocast(amax_group=...), the newest entries of this region are local until the
         # flush: the scale comes from the shared ones before them (zeros if none are left).
         shared = hist[sync.pending(hist):] if sync is not None else hist
@@ -51,7 +62,19 @@ class Slot:
         if sync is not None:  # dtq.autocast(amax_group=...): entry 0 is reduced over the group later
             sync.add(hist)
         self.last_amax = amax
+        region = checkpoint_region()
+        if region is not None:  # recomputed later: that call must see this scale, not the history's
+            self.replays.setdefault(region, collections.deque()).append(amax)
         return amax
+
+    def replayed_amax(self) -> torch.Tensor | None:
+        """The amax of the forward call a recompute replays (the history moves once): the next one
+        recorded in this checkpoint region, else the last one used."""
+        region = checkpoint_region()
+        queue = self.replays.get(region) if region is not None else None
+        if queue:
+            return queue.popleft()
+        return self.last_amax
 
     def _known_amax(self, x: torch.Tensor, known: torch.Tensor, rowwise: bool, columnwise: bool) -> dict:
         """``{direction: known}`` for the requested directions whose scale derives from max|x|

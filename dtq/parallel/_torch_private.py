@@ -10,6 +10,8 @@ a torch release moves any of this.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import sys
 import weakref
 
 import torch
@@ -101,3 +103,34 @@ def at_end_of_backward(fn) -> None:
     """Run ``fn`` once the running backward pass (graph task) has finished its work (call it
     inside backward)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def checkpoint_region():
+    """The ``torch.utils.checkpoint`` region whose forward (or recompute) runs right now, as an
+    object that is the same in both, or None outside any. A recompute replays its region's
+    forward in order, so what a module recorded per region in forward it finds again, in order,
+    when that region is recomputed (regions themselves are recomputed in backward's order).
+
+    Non-reentrant: the region's ``_CheckpointFrame``, read from the closure of the saved-tensor
+    hook on top (``_checkpoint_hook`` in forward, ``_recomputation_hook`` in recompute).
+    Reentrant: the ``CheckpointFunction`` node, whose forward (under no_grad) and backward (the
+    recompute) are on the Python stack."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is not None:
+        pack = inspect.unwrap(hooks[0])  # the recompute's hook is wrapped in torch._dynamo.disable
+        cells = dict(zip(pack.__code__.co_freevars, pack.__closure__ or ()))
+        if "_checkpoint_hook" in pack.__qualname__ and "frame" in cells:
+            return cells["frame"].cell_contents
+        if "_recomputation_hook" in pack.__qualname__ and "target_frame_ref" in cells:
+            return cells["target_frame_ref"].cell_contents()
+    if torch.is_grad_enabled() and not in_backward():
+        return None  # a reentrant checkpoint runs its forward under no_grad, its recompute in backward
+    from torch.utils.checkpoint import CheckpointFunction
+
+    codes = (CheckpointFunction.forward.__code__, CheckpointFunction.backward.__code__)
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in codes:
+            return frame.f_locals.get("ctx")
+        frame = frame.f_back
+    return None

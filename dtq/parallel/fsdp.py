@@ -43,6 +43,7 @@ class _GatherMeta:
     aliases: dict  # direction -> the gathered direction whose payload it is bitwise
     param_name: str
     packed: tuple | None = None  # (world, [(dtype, padded shard shape, rows per entry)]) when packed
+    dtypes: tuple = ()  # each unpacked input's payload dtype (1-byte floats travel as uint8)
 
 
 def _gather_recipe(ctx: GatherContext, module):
@@ -161,8 +162,8 @@ def post_all_gather(outputs, meta: _GatherMeta, param_dtype: torch.dtype, out: Q
     if meta.packed is not None:
         outputs = _unpack(outputs[0], meta)
     payloads: dict[str, dict] = {d: {} for d in meta.directions}
-    for (d, field), t in zip(meta.layout, outputs):
-        payloads[d][field] = t
+    for (d, field), t, dtype in zip(meta.layout, outputs, meta.dtypes or [None] * len(meta.layout)):
+        payloads[d][field] = t.view(dtype) if dtype is not None and t.dtype != dtype else t
     for (d, field), t in meta.shared.items():
         payloads[d][field] = t
     for d, src in meta.aliases.items():
@@ -208,6 +209,12 @@ def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, ra
         shard_shape = (_padded_rows(full_shape, world), *full_shape[1:]) if uneven else None
         inputs = [_pack(padded, shard_shape)]
         packed = (world, specs)
+    dtypes = ()
+    if packed is None:
+        # FP8 codes travel as bytes: a group whose inputs are all FP8 would get an FP8 all-gather
+        # buffer, which gloo (and any backend without FP8 collectives) rejects.
+        dtypes = tuple(t.dtype for t in inputs)
+        inputs = [_as_bytes(t) for t in inputs]
     resize_gather_buffers(ctx, inputs, world)
     if fallback:
         dtype = payloads[dirs[0]]["data"].dtype
@@ -217,7 +224,11 @@ def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, ra
     else:
         _record(quantizer, layout, fields, world, sum(t.numel() * t.element_size() for t in inputs) * world)
     return tuple(inputs), _GatherMeta(quantizer, dirs, layout, shared, torch.Size(full_shape), aliases, ctx.param_name,
-                                      packed)
+                                      packed, dtypes)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
 
 
 # -- high-precision shards -----------------------------------------------------------------------
@@ -240,6 +251,25 @@ def _map1(fn, x):
 
 def _map(fn, args: tuple) -> tuple:
     return tuple(_map1(fn, a) for a in args)
+
+
+_WRITTEN: dict = {}  # op -> (positions, names) of the arguments it writes
+
+
+def _bump_written(func, args: tuple, kwargs: dict | None) -> None:
+    """Advance the version counter of every HighPrecisionWeight ``func`` wrote. An op reaching a
+    wrapper through another subclass (an optimizer step on FSDP2's DTensor parameter) runs below
+    autograd, where torch bumps only the outer tensor's counter; the amax cache keys on this one."""
+    where = _WRITTEN.get(func)
+    if where is None:
+        written = [(i, a.name) for i, a in enumerate(func._schema.arguments)
+                   if a.alias_info is not None and a.alias_info.is_write]
+        where = _WRITTEN[func] = tuple(written)
+    for i, name in where:
+        arg = args[i] if i < len(args) else (kwargs or {}).get(name)
+        for t in (arg if isinstance(arg, (list, tuple)) else (arg,)):
+            if isinstance(t, HighPrecisionWeight):
+                torch.autograd.graph.increment_version(t)
 
 
 class HighPrecisionWeight(torch.Tensor):
@@ -290,8 +320,10 @@ class HighPrecisionWeight(torch.Tensor):
             return t
 
         out = func(*_map(unwrap, args), **{k: _map1(unwrap, v) for k, v in (kwargs or {}).items()})
-        # In-place ops hand back their (unwrapped) argument: give the wrapper back instead.
         if wrappers:
+            if func._schema.is_mutable:
+                _bump_written(func, args, kwargs)
+            # In-place ops hand back their (unwrapped) argument: give the wrapper back instead.
             out = _map1(lambda t: wrappers.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
         if func in cls._KEEP:
             return _map1(lambda t: HighPrecisionWeight(t) if type(t) is torch.Tensor else t, out)
@@ -334,8 +366,11 @@ class HighPrecisionWeight(torch.Tensor):
         return post_all_gather(all_gather_outputs, metadata, param_dtype, out)
 
 
-def _amax_key(t: torch.Tensor, quantizer: Quantizer, dtype: torch.dtype):
-    return (t._version, quantizer, dtype)
+def _amax_key(t: "HighPrecisionWeight", quantizer: Quantizer, dtype: torch.dtype):
+    """What a cached global amax is valid for: this shard's values (an in-place op through the
+    wrapper, FSDP2's DTensor included, bumps the wrapper's counter; one on the unwrapped data
+    bumps the data's), the quantizer and the dtype the gather casts to."""
+    return (t._version, t._data._version, quantizer, dtype)
 
 
 def _global_amax(local: torch.Tensor, quantizer: Quantizer, shard: torch.Tensor, mesh, name: str, dirs):
