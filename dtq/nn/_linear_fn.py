@@ -183,7 +183,11 @@ def _rows_shape(x_shape: torch.Size, rows: int, n: int) -> tuple[int, ...]:
     inner = 1
     for s in x_shape[1:-1]:
         inner *= s
-    return (rows // inner, *x_shape[1:-1], n) if len(x_shape) > 1 else (n,)
+    if len(x_shape) < 2:
+        return (n,)
+    if inner == 0:  # an empty inner dim: no rows either way, the leading dim stays
+        return (x_shape[0], *x_shape[1:-1], n)
+    return (rows // inner, *x_shape[1:-1], n)
 
 
 class LinearFn(torch.autograd.Function):

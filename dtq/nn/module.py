@@ -51,7 +51,11 @@ class QuantizedModule(torch.nn.Module):
 
     def weight_quantizer(self, weight_name: str, recipe: Recipe):
         """The quantizer ``recipe`` gives the weight ``weight_name`` of this module."""
-        return self._slots(recipe, self.weight_names().index(weight_name))[1].quantizer
+        return self.weight_slot(weight_name, recipe).quantizer
+
+    def weight_slot(self, weight_name: str, recipe: Recipe) -> Slot:
+        """The slot (quantizer and, under delayed scaling, amax history) of weight ``weight_name``."""
+        return self._slots(recipe, self.weight_names().index(weight_name))[1]
 
     def quantizer_roles(self) -> list[QuantizerRole | None]:
         roles: list[QuantizerRole | None] = []

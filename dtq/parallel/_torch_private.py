@@ -24,6 +24,8 @@ class GatherContext:
     param_name: str  # fully qualified when FSDP2 knows it (after its lazy init), for messages
     leaf_name: str  # the attribute name on the owning module
     fsdp_param: object  # torch's FSDPParam (private)
+    module_name: str = ""  # the fully_shard-ed module's fully qualified name ("" for the root)
+    post_forward_mesh: bool = False  # reshard_after_forward=<int>: a smaller group after forward
 
 
 def _param_groups(state) -> list:
@@ -63,7 +65,8 @@ def gather_context(local_tensor: torch.Tensor) -> GatherContext:
     prefix = group._module_fqn or ""
     return GatherContext(training_state=group._training_state.name,
                          reshard_after_forward=bool(group._reshard_after_forward),
-                         param_name=f"{prefix}.{leaf}".lstrip("."), leaf_name=leaf, fsdp_param=fsdp_param)
+                         param_name=f"{prefix}.{leaf}".lstrip("."), leaf_name=leaf, fsdp_param=fsdp_param,
+                         module_name=prefix, post_forward_mesh=bool(group._use_post_forward_mesh))
 
 
 def resize_gather_buffers(ctx: GatherContext, inputs: list[torch.Tensor], world_size: int) -> None:

@@ -24,12 +24,12 @@ import dataclasses
 import torch
 from torch.utils._pytree import tree_map
 
-from dtq.autocast import active_recipe
+from dtq.autocast import active_amax_sync, active_recipe
 from dtq.formats import COLUMNWISE, ROWWISE, IdentityQuantizer, Quantizer, codec_for
 from dtq.formats.base import quantize_payloads, shape_2d
 from dtq.parallel import comm
 from dtq.parallel.amax import all_reduce_max, reduce_over_shards
-from dtq.parallel._torch_private import GatherContext, gather_context, resize_gather_buffers
+from dtq.parallel._torch_private import GatherContext, gather_context, in_backward, resize_gather_buffers
 from dtq.tensor import QuantizedTensor, warn_once
 
 
@@ -74,6 +74,16 @@ def _needed_directions(ctx: GatherContext, module, quantizer: Quantizer, have: t
         raise RuntimeError(f"dtq: FSDP2 gathers {ctx.param_name} in state {state} and needs {sorted(want)}, but the "
                            f"sharded parameter only holds {list(have)}; quantize it with both directions")
     return dirs
+
+
+def _check_supported(ctx: GatherContext) -> None:
+    if ctx.post_forward_mesh:
+        raise ValueError(
+            f"dtq: {ctx.param_name} belongs to the FSDP2 module {ctx.module_name or '<root>'!r}, sharded with "
+            "fully_shard(..., reshard_after_forward=<int>): FSDP2 would re-shard the gathered quantized payloads "
+            "over a smaller group after forward, which dtq's all-gather extensions do not support. Use "
+            "reshard_after_forward=True (reshard over the whole group) or False (keep the weight gathered until "
+            "backward) for modules holding dtq weights")
 
 
 def _padded_rows(full_shape, world: int) -> int:
@@ -343,11 +353,13 @@ class HighPrecisionWeight(torch.Tensor):
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         ctx = gather_context(self)
+        _check_supported(ctx)
         world = mesh.size()
         param_dtype = mp_policy.param_dtype or self.dtype
         shard = self._data.detach().to(param_dtype)
         recipe = _gather_recipe(ctx, module)
-        quantizer = module.weight_quantizer(ctx.leaf_name, recipe) if recipe is not None else None
+        slot = module.weight_slot(ctx.leaf_name, recipe) if recipe is not None else None
+        quantizer = slot.quantizer if slot is not None else None
         hp_backward = (recipe is not None and recipe.backward_override == "high_precision"
                        and ctx.training_state == "PRE_BACKWARD")
         fallback = quantizer is None or hp_backward
@@ -359,11 +371,25 @@ class HighPrecisionWeight(torch.Tensor):
             dirs = _needed_directions(ctx, module, quantizer, (ROWWISE, COLUMNWISE))
             _check_alignment(ctx, quantizer, dirs, outer_size, world)
             amax = _global_amax(self, quantizer, shard, mesh, ctx.param_name, dirs)
+            if slot.history is not None:
+                amax = _delayed_weight_amax(ctx, slot, amax)
             payloads = quantize_payloads(quantizer, shard, dirs, amax=amax)
         return _finish(ctx, quantizer, dirs, payloads, outer_size, world, mesh.get_local_rank(), fallback)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         return post_all_gather(all_gather_outputs, metadata, param_dtype, out)
+
+
+def _delayed_weight_amax(ctx: GatherContext, slot, amax: dict) -> torch.Tensor:
+    """Delayed scaling: the weight's scale comes from its amax history, exactly as the module's
+    own quantization of an unsharded weight would take it. A forward gather is that quantization
+    (one per forward call: the history takes the global current amax); a backward or recompute
+    gather reuses the scale of the forward it serves."""
+    if ctx.training_state == "FORWARD" and not in_backward():
+        cur = next(iter(amax.values()))  # per-tensor: the same global max|W| for every direction
+        return slot.delayed_amax(cur, active_amax_sync())
+    used = slot.replayed_amax()
+    return used if used is not None else next(iter(amax.values()))  # no forward yet (explicit unshard)
 
 
 def _amax_key(t: "HighPrecisionWeight", quantizer: Quantizer, dtype: torch.dtype):
@@ -436,6 +462,7 @@ def precompute_amax(model: torch.nn.Module, recipe=None) -> None:
 
 def quantized_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, module, mp_policy):
     ctx = gather_context(self)
+    _check_supported(ctx)
     world = mesh.size()
     dirs = _needed_directions(ctx, module, self._quantizer, self.directions)
     _check_alignment(ctx, self._quantizer, dirs, outer_size, world)
