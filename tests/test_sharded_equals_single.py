@@ -1,0 +1,189 @@
+"""Sharded equals single (the project's invariant): with the same data on every rank, FSDP2 (and
+HSDP) training is bitwise the single-process run. Every recipe, both parameter modes,
+``reshard_after_forward`` True / False, with and without ``precompute_amax``, ``fully_shard`` per
+Linear and per block, activation recompute on and off. Losses, final parameters (payload bits for
+quantized ones) and delayed-scaling histories are compared bit for bit.
+
+Why it can be bitwise: every rank computes the whole batch, so each rank's weight gradient is the
+single process's; FSDP2 averages two (or 2 x 2) equal fp32 values, which is exact; the gathered
+payloads are the quantization of the whole weight (global amaxes are MAX-reduced, which is
+exact); AdamW is elementwise.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+import dtq
+from dtq.testing import spawn
+
+from _recipe_matrix import RECIPES
+
+# 256: a 2-way shard of a weight keeps whole 128x128 FP8 blocks; 32 tokens: whole MXFP8 (32) and
+# NVFP4 (16) column blocks.
+HIDDEN, TOKENS, STEPS = 256, 32, 5
+
+
+class Block(torch.nn.Module):
+    def __init__(self, name: str):
+        super().__init__()
+        self.fc1 = dtq.nn.Linear(HIDDEN, HIDDEN, bias=False, name=f"{name}.fc1")
+        self.fc2 = dtq.nn.Linear(HIDDEN, HIDDEN, name=f"{name}.fc2")
+        self.recompute = False
+
+    def _inner(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+    def forward(self, x):
+        return checkpoint(self._inner, x, use_reentrant=False) if self.recompute else self._inner(x)
+
+
+def _model(recipe, quantized_params: bool, recompute: bool) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Block("0"), Block("1"))
+    for b in model:
+        b.recompute = recompute
+    if recipe.delayed:
+        dtq.convert(model, recipe=recipe)  # histories exist from the start (and are compared at the end)
+    if quantized_params:
+        dtq.convert(model, recipe=recipe, quantized_params=True)
+    return model
+
+
+def _data():
+    g = torch.Generator().manual_seed(7)
+    teacher = torch.randn(HIDDEN, HIDDEN, generator=g) / HIDDEN ** 0.5
+    xs = [torch.randn(TOKENS, HIDDEN, generator=g) * (1 + step) for step in range(STEPS)]  # growing amaxes
+    return xs, [torch.tanh(x @ teacher) for x in xs]
+
+
+def _train(model, recipe, quantized_params: bool, precompute: bool):
+    if quantized_params:
+        opt = dtq.optim.MasterWeightOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    xs, ts = _data()
+    losses = []
+    for x, t in zip(xs, ts):
+        with dtq.autocast(recipe):
+            loss = torch.nn.functional.mse_loss(model(x), t)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if precompute:
+            dtq.parallel.precompute_amax(model)
+        losses.append(loss.detach().clone())
+    return torch.stack(losses)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer as bits: a whole tensor from the reference, this rank's rows
+    from a sharded run (quantized parameters: each payload field, tensor-wide ones whole)."""
+    out = {}
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for name, p in itertools.chain(model.named_parameters(), model.named_buffers()):
+        local = p._local_tensor if isinstance(p, DTensor) else p
+        if isinstance(local, dtq.QuantizedTensor):
+            for d in local.directions:
+                for k, v in local.payload(d).items():
+                    out[f"{name}.{d}.{k}"] = _bits(v)
+        else:
+            out[name] = _bits(local.__dtq_unwrap__() if hasattr(local, "__dtq_unwrap__") else local)
+        out[name + ".__rank__"] = torch.tensor([rank if isinstance(p, DTensor) else -1])
+    return out
+
+
+def _reference_rows(ref: torch.nn.Module, rows_of: dict) -> dict[str, torch.Tensor]:
+    """The reference's parameters cut to the rows a sharded rank holds (``rows_of``: name ->
+    (start, end) of dim 0), in ``_state``'s keys."""
+    out = {}
+    for name, p in itertools.chain(ref.named_parameters(), ref.named_buffers()):
+        if name in rows_of:
+            start, end = rows_of[name]
+            p = p[start:end]
+        if isinstance(p, dtq.QuantizedTensor):
+            for d in p.directions:
+                for k, v in p.payload(d).items():
+                    out[f"{name}.{d}.{k}"] = _bits(v)
+        else:
+            out[name] = _bits(p.__dtq_unwrap__() if hasattr(p, "__dtq_unwrap__") else p)
+    return out
+
+
+def _shard(model, mesh, unit: str, raf: bool):
+    for block in model:
+        if unit == "linear":
+            fully_shard(block.fc1, mesh=mesh, reshard_after_forward=raf)
+            fully_shard(block.fc2, mesh=mesh, reshard_after_forward=raf)
+        else:
+            fully_shard(block, mesh=mesh, reshard_after_forward=raf)
+    fully_shard(model, mesh=mesh, reshard_after_forward=raf)
+
+
+def _compare(recipe_name: str, config, losses, ref_losses, model, ref) -> None:
+    assert torch.equal(_bits(losses), _bits(ref_losses)), (recipe_name, config, losses.tolist(), ref_losses.tolist())
+    rows_of = {}
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            local = p._local_tensor
+            n = local.shape[0]
+            start = p.device_mesh.get_local_rank(p.device_mesh.ndim - 1) * -(-p.shape[0] // p.device_mesh.size(-1))
+            rows_of[name] = (start, start + n)
+    want = _reference_rows(ref, rows_of)
+    got = _state(model)
+    for key, bits in want.items():
+        assert key in got, (recipe_name, config, key, sorted(got))
+        assert torch.equal(got[key], bits), (recipe_name, config, key)
+
+
+def _check_fsdp_matrix(rank, world, recipe_name):
+    recipe = RECIPES[recipe_name]()
+    mesh = init_device_mesh("cpu", (world,))
+    refs = {}
+    for qp in (False, True):
+        ref = _model(recipe, qp, recompute=False)
+        refs[qp] = (_train(ref, recipe, qp, precompute=False), ref)
+    for qp, raf, precompute, unit, recompute in itertools.product((False, True), (True, False), (False, True),
+                                                                 ("linear", "block"), (False, True)):
+        if qp and precompute:
+            continue  # precompute_amax concerns high-precision shards only
+        config = dict(quantized_params=qp, reshard_after_forward=raf, precompute_amax=precompute, unit=unit,
+                      recompute=recompute)
+        model = _model(recipe, qp, recompute)
+        _shard(model, mesh, unit, raf)
+        losses = _train(model, recipe, qp, precompute)
+        _compare(recipe_name, config, losses, refs[qp][0], model, refs[qp][1])
+
+
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+def test_fsdp2_equals_single_process(recipe_name):
+    spawn(_check_fsdp_matrix, 2, recipe_name, backend="gloo")
+
+
+def _check_hsdp(rank, world):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for recipe_name, factory in RECIPES.items():
+        recipe = factory()
+        for qp in (False, True):
+            ref = _model(recipe, qp, recompute=False)
+            ref_losses = _train(ref, recipe, qp, precompute=False)
+            model = _model(recipe, qp, recompute=False)
+            _shard(model, mesh, "block", True)
+            losses = _train(model, recipe, qp, precompute=not qp)
+            _compare(recipe_name, dict(hsdp="2x2", quantized_params=qp), losses, ref_losses, model, ref)
+
+
+def test_hsdp_2x2_equals_single_process():
+    spawn(_check_hsdp, 4, backend="gloo")
