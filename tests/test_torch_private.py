@@ -77,3 +77,26 @@ def test_checkpoint_and_backward_detection():
     y = Probe.apply(x) * 2
     y.sum().backward()
     assert order == [("backward", True), ("callback", None)], "the autograd engine's queue_callback moved"
+
+
+def test_checkpoint_region_is_the_same_in_forward_and_recompute():
+    from torch.utils.checkpoint import checkpoint
+
+    for reentrant in (False, True):
+        seen = []
+
+        def f(x):
+            seen.append(priv.checkpoint_region())
+            return x * x
+
+        x = torch.randn(4, requires_grad=True)
+        checkpoint(f, x, use_reentrant=reentrant).sum().backward()
+        kind = "reentrant" if reentrant else "non-reentrant"
+        assert len(seen) == 2 and seen[0] is not None, f"{kind} checkpoint region not found ({seen})"
+        assert seen[0] is seen[1], f"{kind}: forward and recompute see different regions ({seen})"
+        checkpoint(f, x, use_reentrant=reentrant)
+        assert seen[-1] is not seen[0], f"{kind}: two checkpoint calls share a region"
+    assert priv.checkpoint_region() is None
+    seen.clear()
+    f(torch.randn(2))  # outside any checkpoint
+    assert seen == [None]

@@ -33,7 +33,8 @@ class Slot:
     last_amax: torch.Tensor | None = None
     # Scales used inside torch.utils.checkpoint regions, in call order, for their recompute:
     # {region: deque of amaxes} (weak keys: a region's entries go when its graph does).
-    replays: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
+    replays: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary, repr=False,
+                                                           compare=False)
 
     @torch.no_grad()
     def _delayed_amax(self, x: torch.Tensor, replay: bool, group=None, sync=None) -> torch.Tensor:
