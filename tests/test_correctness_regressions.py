@@ -96,12 +96,14 @@ _EMPTY_RECIPES = {
 }
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("shape", [(2, 0, 128), (0, 128), (0, 3, 128)])
 @pytest.mark.parametrize("recipe_name", list(_EMPTY_RECIPES))
-def test_empty_leading_dims(recipe_name, shape):
+def test_empty_leading_dims(recipe_name, shape, device):
     recipe = _EMPTY_RECIPES[recipe_name]
     for module in (dtq.nn.Linear(128, 64), dtq.nn.LayerNormLinear(128, 64), dtq.nn.LayerNormMLP(128, 64)):
-        x = torch.randn(*shape, requires_grad=True)
+        module = module.to(device)
+        x = torch.randn(*shape, device=device, requires_grad=True)
         with dtq.autocast(recipe, enabled=recipe is not None):
             y = module(x)
         assert y.shape == (*shape[:-1], 64 if not isinstance(module, dtq.nn.LayerNormMLP) else 128), type(module)

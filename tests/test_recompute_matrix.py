@@ -36,9 +36,9 @@ class Block(torch.nn.Module):
         return self.fc2(torch.nn.functional.gelu(h))
 
 
-def _run(recipe, twice: bool, recompute: str | None, on_cpu: bool):
+def _run(recipe, twice: bool, recompute: str | None, on_cpu: bool, device: str):
     torch.manual_seed(0)
-    block = Block(twice)
+    block = Block(twice).to(device)
     if recipe.delayed:
         dtq.convert(block, recipe=recipe)
     opt = torch.optim.AdamW(block.parameters(), lr=1e-2)
@@ -46,7 +46,7 @@ def _run(recipe, twice: bool, recompute: str | None, on_cpu: bool):
     out = []
     for step in range(STEPS):
         # inputs grow faster than the history's scales follow: stale scales would show
-        x = (torch.randn(TOKENS, HIDDEN, generator=g) * 4 ** step).requires_grad_(True)
+        x = (torch.randn(TOKENS, HIDDEN, generator=g) * 4 ** step).to(device).requires_grad_(True)
         saving = torch.autograd.graph.save_on_cpu() if on_cpu else contextlib.nullcontext()
         with dtq.autocast(recipe), saving:
             if recompute is None:
@@ -68,16 +68,20 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # CUDA: the kernels' paths
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("twice", [False, True], ids=["once", "twice"])
 @pytest.mark.parametrize("recipe_name", list(CASES))
-def test_recompute_is_bitwise(recipe_name, twice):
+def test_recompute_is_bitwise(recipe_name, twice, device):
     recipe = CASES[recipe_name]()
-    ref = _run(recipe, twice, None, False)
+    ref = _run(recipe, twice, None, False, device)
     for recompute in (None, "non_reentrant", "reentrant"):
         for on_cpu in (False, True):
             if recompute is None and not on_cpu:
                 continue
-            got = _run(recipe, twice, recompute, on_cpu)
+            got = _run(recipe, twice, recompute, on_cpu, device)
             assert len(got) == len(ref)
             for i, (a, b) in enumerate(zip(got, ref)):
                 assert torch.equal(_bits(a), _bits(b)), (recipe_name, twice, recompute, on_cpu, i)
