@@ -1,6 +1,13 @@
 """Training checkpoints with ``torch.distributed.checkpoint`` (DCP): model, optimizer, step,
 data position and every rank's RNG state, in ``<out_dir>/checkpoints/step_<N>/``.
 
+A checkpoint is committed atomically: every rank writes into a temporary sibling
+``step_<N>.tmp-<id>/``, and only when all of them have finished does rank 0 rename it to
+``step_<N>/``. So a ``step_<N>/`` directory is always complete, and :func:`latest` never sees
+a save that crashed half-way (nor a mix of two saves of one step: DCP itself writes into the
+directory it is given and leaves an older ``.metadata`` there until it finishes).
+:func:`recover` and :func:`remove_stale` tidy up after a crash at the next start.
+
 What is per rank is saved per rank: torch's RNG states (stochastic rounding draws its seeds from
 them) and the delayed-scaling amax histories of dtq modules (DCP would otherwise keep one rank's
 copy of a plain tensor for everybody). The trainer reduces those histories over every rank
@@ -12,6 +19,8 @@ from __future__ import annotations
 
 import pathlib
 import re
+import shutil
+import uuid
 import warnings
 
 import torch
@@ -19,6 +28,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# A save in progress (``tmp``) and a committed checkpoint moved aside to be replaced (``old``).
+_STAGED_DIR = re.compile(r"^(step_\d+)\.(tmp|old)-[0-9a-f]+$")
 _PER_RANK = "amax_history_"  # model buffers that differ between ranks
 
 
@@ -26,11 +37,53 @@ def checkpoint_dir(out_dir: str | pathlib.Path, step: int) -> pathlib.Path:
     return pathlib.Path(out_dir) / "checkpoints" / f"step_{step:08d}"
 
 
+def step_of(path: str | pathlib.Path) -> int:
+    """The step of a checkpoint directory ``step_<N>``."""
+    return int(_STEP_DIR.match(pathlib.Path(path).name).group(1))
+
+
 def latest(out_dir: str | pathlib.Path) -> pathlib.Path | None:
-    """The newest complete checkpoint (DCP writes ``.metadata`` last) under ``out_dir``."""
+    """The newest complete checkpoint under ``out_dir``: a committed ``step_<N>`` directory
+    holding DCP's ``.metadata``. Temporary directories of saves in progress (or crashed) are
+    never returned."""
     root = pathlib.Path(out_dir) / "checkpoints"
     done = [p for p in root.glob("step_*") if _STEP_DIR.match(p.name) and (p / ".metadata").exists()]
-    return max(done, key=lambda p: int(_STEP_DIR.match(p.name).group(1)), default=None)
+    return max(done, key=step_of, default=None)
+
+
+def _staged(out_dir: str | pathlib.Path) -> list[tuple[pathlib.Path, str, str]]:
+    """(directory, final name, "tmp" or "old") of every staged directory under ``out_dir``."""
+    root = pathlib.Path(out_dir) / "checkpoints"
+    out = []
+    for p in sorted(root.glob("step_*")):
+        m = _STAGED_DIR.match(p.name)
+        if m and p.is_dir():
+            out.append((p, m.group(1), m.group(2)))
+    return out
+
+
+def recover(out_dir: str | pathlib.Path) -> list[pathlib.Path]:
+    """Put back every committed checkpoint that a crash left moved aside (between the two
+    renames of a commit that replaces a step directory); returns the restored directories.
+    Rank 0 calls it at the start, before looking for checkpoints."""
+    restored = []
+    for p, name, kind in _staged(out_dir):
+        final = p.with_name(name)
+        if kind == "old" and not final.exists() and (p / ".metadata").exists():
+            p.rename(final)
+            restored.append(final)
+    return restored
+
+
+def remove_stale(out_dir: str | pathlib.Path) -> list[pathlib.Path]:
+    """Delete the temporary directories of saves that never committed and the leftovers of
+    replaced checkpoints; returns them. Rank 0 calls it at the start of a run (one run writes
+    to an ``out_dir`` at a time)."""
+    removed = []
+    for p, _, _ in _staged(out_dir):
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -54,11 +107,33 @@ def _state(model, optimizer, train_state: dict, device: torch.device, rank: int)
             f"rank{rank}": {"rng": _rng_state(device), "buffers": own}}
 
 
+def _commit(tmp: pathlib.Path, final: pathlib.Path, token: str) -> None:
+    """Rename the finished ``tmp`` to ``final``. An existing ``final`` is first renamed aside and
+    deleted only after the new one is in place, so a crash leaves one of the two complete
+    (:func:`recover` puts an aside one back)."""
+    if final.exists():
+        aside = final.with_name(f"{final.name}.old-{token}")
+        final.rename(aside)
+        tmp.rename(final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        tmp.rename(final)
+
+
 def save(out_dir: str | pathlib.Path, step: int, model, optimizer, train_state: dict, device: torch.device) -> pathlib.Path:
-    """Write a checkpoint of step ``step`` (a collective: every rank calls it)."""
-    path = checkpoint_dir(out_dir, step)
-    dcp.save(_state(model, optimizer, train_state, device, dist.get_rank()), checkpoint_id=str(path))
-    return path
+    """Write a checkpoint of step ``step`` (a collective: every rank calls it) and return its
+    directory. Everything, each rank's own entries included, goes into one temporary
+    directory that rank 0 renames into place once every rank has written its part."""
+    final = checkpoint_dir(out_dir, step)
+    token = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)  # one temporary directory for all ranks
+    tmp = final.with_name(f"{final.name}.tmp-{token[0]}")
+    dcp.save(_state(model, optimizer, train_state, device, dist.get_rank()), checkpoint_id=str(tmp))
+    dist.barrier()  # every rank's files are written (and rank 0's .metadata)
+    if dist.get_rank() == 0:
+        _commit(tmp, final, token[0])
+    dist.barrier()  # nobody goes on before the checkpoint is in place
+    return final
 
 
 def load(path: str | pathlib.Path, model, optimizer, device: torch.device) -> dict:

@@ -27,6 +27,12 @@ DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 
 
+class ConfigError(ValueError):
+    """A mistake in the config or on the command line. The trainer prints the message as one
+    line (rank 0 only, no traceback) and exits with status 2; any ``ValueError`` from
+    :func:`load` is reported the same way."""
+
+
 def _positive(owner: str, **values: int | float) -> None:
     for name, v in values.items():
         if not v > 0:

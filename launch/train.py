@@ -10,7 +10,9 @@ Start it any way you like; the process group is set up from what the launcher le
     srun --ntasks-per-node 4 --gpus-per-node 4 python launch/train.py --config ...
 
 Options override the config file (``--set table.key=value`` for any key); ``--resume`` continues
-from the newest checkpoint in ``train.out_dir``. See docs/training.md.
+from the newest checkpoint in ``train.out_dir``. A run without it refuses an ``out_dir`` that
+already has checkpoints unless ``--overwrite`` (delete them and the metrics log) is given. See
+docs/training.md.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ if __package__ in (None, ""):  # run as a script: import `launch` from the repos
 
 import argparse
 import contextlib
+import os
+import shutil
 import time
 import warnings
 
@@ -47,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, help="shorthand for --set train.steps=N")
     p.add_argument("--out-dir", help="shorthand for --set train.out_dir=PATH")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in train.out_dir")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete the checkpoints and metrics log already in train.out_dir and start fresh")
     p.add_argument("--launcher", default="auto", choices=launch_dist.LAUNCHERS,
                    help="how this process was started (default: detected from the environment)")
     return p.parse_args(argv)
@@ -59,6 +65,41 @@ def load_config(args: argparse.Namespace) -> config_mod.Config:
         if value is not None:
             overrides.append(f"{key}={value!s}" if flag == "steps" else f'{key}="{value}"')
     return config_mod.load(args.config, overrides)
+
+
+def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool) -> pathlib.Path | None:
+    """Decide on rank 0 what this run does with ``out_dir`` and tell every rank; returns the
+    checkpoint to resume from (None: start at step 0).
+
+    A run without ``resume`` into an ``out_dir`` that has checkpoints is refused (a
+    :class:`~launch.config.ConfigError` on every rank): it would leave them beside its own, and
+    a later ``--resume`` could continue the older run. ``overwrite`` deletes them and the metrics
+    log first. A checkpoint that a crash left renamed aside is put back, and temporary
+    directories of saves that never committed are deleted. Every rank waits until rank 0 is
+    done with the files."""
+    decision: list = [None, None]  # [checkpoint to resume from, error message]
+    if dist.get_rank() == 0:
+        checkpointing.recover(out_dir)
+        found = checkpointing.latest(out_dir)
+        if found is not None and not resume and not overwrite:
+            decision[1] = (f"config: train.out_dir {out_dir!r} already has checkpoints of an earlier run (newest: "
+                           f"step {checkpointing.step_of(found)}); pass --resume to continue that run, or "
+                           "--overwrite to delete its checkpoints and metrics log and start fresh")
+        else:
+            try:
+                if overwrite:
+                    if (pathlib.Path(out_dir) / "checkpoints").exists():
+                        shutil.rmtree(pathlib.Path(out_dir) / "checkpoints")
+                    (pathlib.Path(out_dir) / "metrics.jsonl").unlink(missing_ok=True)
+                    found = None
+                checkpointing.remove_stale(out_dir)
+            except OSError as e:
+                decision[1] = f"--overwrite: cannot delete the old run's files in {out_dir!r}: {e}"
+            decision[0] = str(found) if resume and found is not None else None
+    dist.broadcast_object_list(decision, src=0)  # the barrier too: rank 0 has finished with the files
+    if decision[1] is not None:
+        raise config_mod.ConfigError(decision[1])
+    return pathlib.Path(decision[0]) if decision[0] is not None else None
 
 
 def activation_memory(cfg: config_mod.TrainConfig, device: torch.device):
@@ -108,11 +149,16 @@ def _peak_memory(device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
-def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto") -> dict:
+def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto", overwrite: bool = False) -> dict:
     """Run one training job on an initialized or fresh process group; returns the last train
-    and validation losses."""
+    and validation losses. ``resume``: continue from the newest checkpoint in ``train.out_dir``;
+    ``overwrite``: delete the checkpoints and metrics log there first (see :func:`prepare_out_dir`)."""
+    if resume and overwrite:
+        raise config_mod.ConfigError("config: --resume continues the run whose checkpoints are in train.out_dir, "
+                                     "--overwrite deletes them: pass one or the other")
     denv, device = launch_dist.init_distributed(launcher, cfg.train.device)
     rank, world = dist.get_rank(), dist.get_world_size()
+    resumed_from = prepare_out_dir(cfg.train.out_dir, resume, overwrite)
     if rank != 0:  # every rank would print the same warnings: rank 0 speaks for all
         warnings.filterwarnings("ignore")
     tc = cfg.train
@@ -136,7 +182,6 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto") 
 
     train_data, val_data = data.splits(cfg.data.max_bytes, cfg.data.val_fraction, cfg.model.seq_len, tc.seed)
     step, samples = 0, 0
-    resumed_from = checkpointing.latest(tc.out_dir) if resume else None
     if resume and resumed_from is None and rank == 0:
         print(f"--resume: no checkpoint in {tc.out_dir}/checkpoints yet; starting from step 0", flush=True)
     if resumed_from is not None:
@@ -227,15 +272,37 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto") 
     return last
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    cfg = load_config(args)
+def _is_first_rank(launcher: str) -> bool:
+    """Whether this process is rank 0, before or after the process group is up."""
+    if dist.is_initialized():
+        return dist.get_rank() == 0
     try:
-        result = train(cfg, resume=args.resume, launcher=args.launcher)
+        return launch_dist.detect(os.environ, launcher).rank == 0
+    except (RuntimeError, ValueError):
+        return True
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """The command line. A config mistake (any error of the config file or an override, or a
+    :class:`~launch.config.ConfigError`, which every rank raises alike) is printed as one line by
+    rank 0, without a traceback, and the process exits with status 2."""
+    args = parse_args(argv)
+    try:
+        try:
+            cfg = load_config(args)
+        except ValueError as e:  # config.load raises nothing else for a bad file or override
+            raise config_mod.ConfigError(str(e)) from None
+        result = train(cfg, resume=args.resume, launcher=args.launcher, overwrite=args.overwrite)
         # Every rank past its last collective before any tears its process groups down: a gloo
         # rank that exits while a peer's work is still in flight can abort at interpreter exit.
         dist.barrier()
         return result
+    except config_mod.ConfigError as e:
+        if dist.is_initialized():
+            dist.barrier()  # raised on every rank alike: none is left inside a collective
+        if _is_first_rank(args.launcher):
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
