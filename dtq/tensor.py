@@ -14,14 +14,23 @@ dtype; the payload tensors (codes, scales, amax) are the real data. Dispatch pol
 * ``view`` / ``reshape`` / contiguous ``as_strided`` to any shape of the same size: metadata only,
   the payloads keep describing the same [M, K] matrix (``shape2d``);
 * everything else dequantizes its quantized arguments and runs in high precision; an in-place op
-  on a QuantizedTensor requantizes the result into its payloads.
+  on a QuantizedTensor requantizes the result, as the [M, K] matrix, into its payloads.
+
+A dim-0 slice that covers only some rows of a tensor holding a tensor-wide field (``Codec.fields``
+None: FP8's per-tensor scale, NVFP4's amax, FP8 row-wise's columnwise per-column scales) is a
+*partial view* (``_partial``): that field is the whole tensor's own, so requantizing the slice
+would rescale every other row. In-place writes into a partial view are refused before anything is
+written, except a same-quantizer ``copy_`` that leaves every other row's values as they are (equal
+tensor-wide fields, or other rows that are still zeros: FSDP2's padded shard buffers). Views that
+share payloads (detach, alias, view/reshape, as_strided, further slices) keep the flag; results
+that own their payloads (clone, ``_to_copy``, ``*_like`` / ``new_*``) do not.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 from torch.utils._pytree import tree_map
@@ -44,6 +53,23 @@ def _implements(ops: Iterable):
     return deco
 
 
+class _Partial(NamedTuple):
+    """Where a partial view (a dim-0 slice of part of the rows) sits in the tensor it was cut from."""
+
+    start: int  # rows [start, end) of the whole's [M, K] matrix
+    end: int
+    rows: int  # the whole's M
+    shared: tuple[tuple[str, str], ...]  # (direction, field) of the tensor-wide fields shared with the whole
+    whole: dict | None = None  # the whole's payloads (to check its other rows); None once pickled / traced
+
+    def key(self) -> tuple:
+        """Everything but ``whole``: what pickling and ``__tensor_flatten__`` carry."""
+        return (self.start, self.end, self.rows, self.shared)
+
+
+_INHERIT = object()  # _like's default: the result shares the source's payloads, so keeps its _partial
+
+
 def warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
@@ -63,7 +89,7 @@ class QuantizedTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, shape, dtype: torch.dtype, quantizer: Quantizer, payloads: dict[str, Payload],
-                requires_grad: bool = False, shape2d: tuple[int, int] | None = None):
+                requires_grad: bool = False, shape2d: tuple[int, int] | None = None, partial=None):
         if not payloads:
             raise ValueError("QuantizedTensor needs at least one direction's payload")
         for d in payloads:
@@ -76,6 +102,7 @@ class QuantizedTensor(torch.Tensor):
         self._shape2d = tuple(shape2d) if shape2d is not None else shape_2d(shape)
         if math.prod(self._shape2d) != math.prod(shape):
             raise ValueError(f"QuantizedTensor: payload view {list(self._shape2d)} does not match shape {list(shape)}")
+        self._partial = _Partial(*partial) if partial is not None else None
         return self
 
     # -- introspection -------------------------------------------------------------------------
@@ -143,6 +170,7 @@ class QuantizedTensor(torch.Tensor):
             if want[d] is False:
                 self._payloads.pop(d, None)
         self._payloads = {d: self._payloads[d] for d in DIRECTIONS if d in self._payloads}
+        self._partial = _restrict(self._partial, self.directions)
         return self
 
     def with_directions(self, *directions: str) -> "QuantizedTensor":
@@ -151,7 +179,7 @@ class QuantizedTensor(torch.Tensor):
         if missing:
             raise KeyError(f"this QuantizedTensor has no {missing} payload (it holds {list(self._payloads)})")
         return QuantizedTensor(self.shape, self.dtype, self._quantizer, {d: self._payloads[d] for d in directions},
-                               shape2d=self._shape2d)
+                               shape2d=self._shape2d, partial=_restrict(self._partial, directions))
 
     def _build(self, d: str, source: torch.Tensor | None, amax) -> Payload:
         sub = self._quantizer.for_direction(d)
@@ -167,19 +195,33 @@ class QuantizedTensor(torch.Tensor):
             if amax is None:
                 held = [codec.reusable_amax(sub, p, have, d) for have, p in same]
                 amax = next((a for a in held if a is not None), None)
-            return quantize_payloads(self._quantizer, source, (d,), amax=amax)[d]
+            return quantize_payloads(self._quantizer, self._as_matrix(source), (d,), amax=amax)[d]
         for have in self._payloads:
             hsub = self._quantizer.for_direction(have)
             if codec_for(hsub).lossless(hsub, self.dtype):
-                return quantize_payloads(self._quantizer, self.dequantize(direction=have), (d,), amax=amax)[d]
+                return quantize_payloads(self._quantizer, self._as_matrix(self.dequantize(direction=have)), (d,),
+                                         amax=amax)[d]
         raise ValueError(
             f"cannot build the {d} payload of a {self._quantizer.format_name} tensor from its "
             f"{list(self._payloads)} payload without losing bits; pass source=<the high-precision tensor> "
             f"or quantize with {d}=True in the first place")
 
-    def _assign(self, value: torch.Tensor) -> None:
-        """Requantize ``value`` into this tensor's existing payload storage."""
-        new = quantize_payloads(self._quantizer, value.to(self.dtype).expand(self.shape), self.directions)
+    def _as_matrix(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (this tensor's shape) as the [M, K] matrix the payloads describe (a view's shape may
+        flatten to another one)."""
+        return x if shape_2d(self.shape) == self._shape2d else x.reshape(self._shape2d)
+
+    def _assign(self, value: torch.Tensor, op: str = "an in-place op") -> None:
+        """Requantize ``value`` (this tensor's shape, or broadcastable to it) into the existing
+        payload storage. The payloads describe the [M, K] matrix ``shape2d`` whatever the view's
+        shape, so the value is quantized as that matrix: bitwise what quantizing the whole gives."""
+        _check_writable(self, op)
+        try:
+            value = value.to(self.dtype).expand(self.shape)
+        except RuntimeError as e:
+            raise ValueError(f"dtq: {op} cannot write a value of shape {list(value.shape)} into {_describe(self)}: "
+                             f"it does not broadcast to {list(self.shape)}") from e
+        new = quantize_payloads(self._quantizer, self._as_matrix(value), self.directions)
         for d, payload in new.items():
             for k, t in payload.items():
                 self._payloads[d][k].copy_(t)
@@ -189,22 +231,24 @@ class QuantizedTensor(torch.Tensor):
         # own. 1-byte float payloads travel as uint8 (torch cannot plain-pickle float8 tensors).
         payloads = {d: {k: ((v.view(torch.uint8), v.dtype) if v.element_size() == 1 and v.dtype.is_floating_point
                             else (v, None)) for k, v in p.items()} for d, p in self._payloads.items()}
+        partial = self._partial.key() if self._partial is not None else None
         return (_rebuild_quantized, (tuple(self.shape), self.dtype, self._quantizer, payloads,
-                                     self.requires_grad, self._shape2d))
+                                     self.requires_grad, self._shape2d, partial))
 
     # -- traceable-wrapper-subclass protocol (nn.Module.to() and friends swap whole tensors) -------
     def __tensor_flatten__(self):
         names = [f"{_FLAT}{d}__{k}" for d, p in self._payloads.items() for k in p]
-        return names, (self._quantizer, self.dtype, self._shape2d)
+        partial = self._partial.key() if self._partial is not None else None
+        return names, (self._quantizer, self.dtype, self._shape2d, partial)
 
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
-        quantizer, dtype, shape2d = ctx
+        quantizer, dtype, shape2d, partial = ctx
         payloads: dict = {}
         for name, t in inner.items():
             d, k = name[len(_FLAT):].split("__", 1)
             payloads.setdefault(d, {})[k] = t
-        return QuantizedTensor(outer_size, dtype, quantizer, payloads, shape2d=shape2d)
+        return QuantizedTensor(outer_size, dtype, quantizer, payloads, shape2d=shape2d, partial=partial)
 
     def __getattr__(self, name: str):
         if name.startswith(_FLAT):
@@ -236,11 +280,103 @@ class QuantizedTensor(torch.Tensor):
 
 
 def _like(t: QuantizedTensor, payloads: dict[str, Payload], shape=None, dtype=None, quantizer=None,
-          shape2d=None) -> QuantizedTensor:
-    """A QuantizedTensor like ``t``; a new ``shape`` (without ``shape2d``) is a new [M, K] matrix."""
+          shape2d=None, partial=_INHERIT) -> QuantizedTensor:
+    """A QuantizedTensor like ``t``; a new ``shape`` (without ``shape2d``) is a new [M, K] matrix.
+    ``partial``: by default ``t``'s (the result shares its payloads); pass None for a result that
+    owns its payloads."""
     if shape is None:
         shape, shape2d = t.shape, t._shape2d
-    return QuantizedTensor(shape, dtype or t.dtype, quantizer or t._quantizer, payloads, shape2d=shape2d)
+    if partial is _INHERIT:
+        partial = t._partial
+    return QuantizedTensor(shape, dtype or t.dtype, quantizer or t._quantizer, payloads, shape2d=shape2d,
+                           partial=partial)
+
+
+# -- partial views ------------------------------------------------------------------------------
+
+
+def _shared_fields(quantizer: Quantizer, directions) -> tuple[tuple[str, str], ...]:
+    """(direction, field) of every tensor-wide field (``Codec.fields`` None) of ``directions``."""
+    out = []
+    for d in directions:
+        sub = quantizer.for_direction(d)
+        out += [(d, k) for k, rows in codec_for(sub).fields(sub, d).items() if rows is None]
+    return tuple(out)
+
+
+def _restrict(partial: _Partial | None, directions) -> _Partial | None:
+    """``partial`` for a view that now holds only ``directions`` (None if none of them shares a field)."""
+    if partial is None:
+        return None
+    shared = tuple((d, k) for d, k in partial.shared if d in directions)
+    return partial._replace(shared=shared) if shared else None
+
+
+def _describe(t: QuantizedTensor) -> str:
+    what = f"a {t._quantizer.format_name} QuantizedTensor of shape {list(t.shape)}"
+    if tuple(t._shape2d) != shape_2d(t.shape):
+        what += f" (a view: its payloads describe the [M, K] = {list(t._shape2d)} matrix)"
+    return what
+
+
+def _partial_write_error(t: QuantizedTensor, op: str, copy_hint: bool = False) -> ValueError:
+    p = t._partial
+    one = len(p.shared) == 1
+    fields = " and ".join(f"{d} {k}" for d, k in p.shared)
+    formats = "/".join(sorted({t._quantizer.for_direction(d).format_name for d, _ in p.shared}))
+    name = op.removeprefix("_foreach_")
+    change = f"w[{p.start}:{p.end}].{name}({'' if name == 'zero_' else '...'})"
+    hint = ("" if not copy_hint else
+            ". A copy_ from a QuantizedTensor of the same quantizer is allowed when its tensor-wide values are bitwise "
+            "the view's (e.g. a shard quantized with the whole's global amax), or when the whole's other rows keep "
+            "their values under the source's (rows still zero, as in a torch.empty_like buffer filled slice by slice)")
+    return ValueError(
+        f"dtq: {op} cannot write into {_describe(t)}: it is a dim-0 slice covering rows [{p.start}, {p.end}) of the "
+        f"{p.rows} rows of a tensor whose {fields} ({formats}) {'is' if one else 'are'} tensor-wide, shared by all "
+        f"{p.rows} rows; writing into the slice would overwrite {'it' if one else 'them'} and change the other "
+        f"{p.rows - (p.end - p.start)} rows. Modify the whole tensor t instead: w = t.dequantize(); {change}; "
+        f"t.copy_(w) (rows of t's [M, K] view); or use a format with block or row scales for this tensor (MXFP8, FP8 "
+        f"blocks, FP8 row-wise with the rowwise direction only)" + hint)
+
+
+def _check_writable(t: QuantizedTensor, op: str) -> None:
+    if t._partial is not None:
+        raise _partial_write_error(t, op)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a is b:
+        return True
+    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def _others_unchanged(t: QuantizedTensor, new: dict[tuple[str, str], torch.Tensor]) -> bool:
+    """Whether every row of the whole outside partial view ``t`` dequantizes to bitwise the same
+    values with the tensor-wide fields ``new`` ((direction, field) -> tensor) as it does now."""
+    p = t._partial
+    if p.whole is None:
+        return False
+    k_cols = t._shape2d[1]
+    for d in {d for d, _ in new}:
+        if d not in p.whole:  # a direction built on the view itself (update_usage): not the whole's
+            return False
+        sub = t._quantizer.for_direction(d)
+        codec = codec_for(sub)
+        fields = codec.fields(sub, d)
+        for a, b in ((0, p.start), (p.end, p.rows)):
+            if a == b:
+                continue
+            old = {k: (v if fields[k] is None else v[a // fields[k]: -(-b // fields[k])])
+                   for k, v in p.whole[d].items()}
+            changed = dict(old, **{k: v for (dd, k), v in new.items() if dd == d})
+            with torch.no_grad():
+                before = codec.dequantize(sub, old, d, (b - a, k_cols))
+                after = codec.dequantize(sub, changed, d, (b - a, k_cols))
+            if not _same_bits(before, after):
+                return False
+    return True
 
 
 def _map_payloads(t: QuantizedTensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Payload]:
@@ -255,7 +391,22 @@ def _map_payloads(t: QuantizedTensor, fn: Callable[[torch.Tensor], torch.Tensor]
     return {d: {k: once(v) for k, v in p.items()} for d, p in t._payloads.items()}
 
 
+def _written(func, args, kwargs) -> list:
+    """The arguments ``func`` writes (its schema's ``a!`` ones; foreach ops write lists)."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        written = args[i] if i < len(args) else kwargs.get(arg.name)
+        out += list(written) if isinstance(written, (list, tuple)) else [written]
+    return out
+
+
 def _fallback(func, args, kwargs):
+    if func._schema.is_mutable:  # refuse a write into a partial view before anything is written
+        for t in _written(func, args, kwargs):
+            if isinstance(t, QuantizedTensor):
+                _check_writable(t, func.overloadpacket.__name__)
     plain = {}
 
     def unwrap(x):
@@ -267,14 +418,10 @@ def _fallback(func, args, kwargs):
 
     uargs, ukwargs = tree_map(unwrap, (args, kwargs))
     out = func(*uargs, **ukwargs)
-    schema = func._schema
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        written = uargs[i] if i < len(uargs) else ukwargs.get(arg.name)
-        for hp in (written if isinstance(written, (list, tuple)) else [written]):  # foreach ops write lists
+    if func._schema.is_mutable:
+        for hp in _written(func, uargs, ukwargs):
             if isinstance(hp, torch.Tensor) and id(hp) in plain:
-                plain[id(hp)]._assign(hp)
+                plain[id(hp)]._assign(hp, func.overloadpacket.__name__)
     return tree_map(lambda x: plain.get(id(x), x) if isinstance(x, torch.Tensor) else x, out)
 
 
@@ -286,11 +433,11 @@ def _detach(func, args, kwargs):
 
 @_implements([aten.clone.default])
 def _clone(func, args, kwargs):
-    return _like(args[0], _map_payloads(args[0], torch.clone))
+    return _like(args[0], _map_payloads(args[0], torch.clone), partial=None)
 
 
-def _zero_payloads(t: QuantizedTensor, shape, device, dtype) -> dict[str, Payload]:
-    shape2 = shape_2d(shape)
+def _zero_payloads(t: QuantizedTensor, shape2: tuple[int, int], device, dtype) -> dict[str, Payload]:
+    """Zero payloads of ``t``'s format for a [M, K] = ``shape2`` matrix."""
     out = {}
     for d in t.directions:
         sub = t._quantizer.for_direction(d)
@@ -304,12 +451,16 @@ def _zero_payloads(t: QuantizedTensor, shape, device, dtype) -> dict[str, Payloa
 @_implements([aten.empty_like.default, aten.zeros_like.default, aten.new_empty.default, aten.new_zeros.default])
 def _new_like(func, args, kwargs):
     t = args[0]
-    shape = tuple(args[1]) if func in (aten.new_empty.default, aten.new_zeros.default) else tuple(t.shape)
+    if func in (aten.new_empty.default, aten.new_zeros.default):
+        shape = tuple(args[1])
+        shape2 = shape_2d(shape)
+    else:  # *_like: t's shape, and the [M, K] matrix t's payloads describe (t may be a view)
+        shape, shape2 = tuple(t.shape), t._shape2d
     dtype = kwargs.get("dtype") or t.dtype
     if not dtype.is_floating_point:
         return NotImplemented
     device = torch.device(kwargs["device"]) if kwargs.get("device") is not None else t.device
-    out = _like(t, _zero_payloads(t, shape, device, dtype), shape=shape, dtype=dtype)
+    out = _like(t, _zero_payloads(t, shape2, device, dtype), shape=shape, dtype=dtype, shape2d=shape2, partial=None)
     if kwargs.get("pin_memory"):
         out = _like(out, _map_payloads(out, lambda v: v.pin_memory()))
     return out
@@ -318,7 +469,8 @@ def _new_like(func, args, kwargs):
 @_implements([aten.zero_.default])
 def _zero_(func, args, kwargs):
     t = args[0]
-    for d, p in _zero_payloads(t, t.shape, t.device, t.dtype).items():
+    _check_writable(t, "zero_")
+    for d, p in _zero_payloads(t, t._shape2d, t.device, t.dtype).items():
         for k, v in p.items():
             t._payloads[d][k].copy_(v)
     return t
@@ -338,12 +490,12 @@ def _to_copy(func, args, kwargs):
         v = v.to(device=device, non_blocking=nb, copy=True) if device is not None else v.clone()
         return v.pin_memory() if pin else v
 
-    return _like(t, _map_payloads(t, move), dtype=dtype)
+    return _like(t, _map_payloads(t, move), dtype=dtype, partial=None)
 
 
 @_implements([aten._pin_memory.default])
 def _pin(func, args, kwargs):
-    return _like(args[0], _map_payloads(args[0], lambda v: v.pin_memory()))
+    return _like(args[0], _map_payloads(args[0], lambda v: v.pin_memory()), partial=None)
 
 
 @_implements([aten.is_pinned.default])
@@ -358,9 +510,10 @@ def _copy_(func, args, kwargs):
     if not isinstance(dst, QuantizedTensor):
         return dst.copy_(src.dequantize(dst.dtype), non_blocking=nb)
     if (isinstance(src, QuantizedTensor) and src._quantizer == dst._quantizer
-            and tuple(src.shape) == tuple(dst.shape)):
+            and tuple(src.shape) == tuple(dst.shape) and tuple(src._shape2d) == tuple(dst._shape2d)):
         # Same config: copy codes, never requantize them. A direction the source lacks comes
         # from an identical one it has, or the copy is refused (its bits cannot be recovered).
+        source = {}
         for d in dst.directions:
             src_d = d if src.has(d) else next(
                 (h for h in src.directions if src._quantizer.for_direction(h) == src._quantizer.for_direction(d)
@@ -370,11 +523,21 @@ def _copy_(func, args, kwargs):
                 raise ValueError(f"copy_: the destination holds a {d} payload but the source ({list(src.directions)}) "
                                  f"cannot provide its exact bits; drop it first (update_usage({d}=False)) or copy from "
                                  f"a tensor quantized with {d}=True")
+            source[d] = src._payloads[src_d]
+        if dst._partial is not None:
+            # Safe only if the whole's other rows keep their values: the shared tensor-wide fields
+            # do not change, or those rows do not depend on them (still zeros).
+            changed = {(d, k): source[d][k] for d, k in dst._partial.shared
+                       if not _same_bits(dst._payloads[d][k], source[d][k])}
+            if changed and not _others_unchanged(dst, changed):
+                raise _partial_write_error(dst, "copy_", copy_hint=True)
+        for d in dst.directions:
             for k, v in dst._payloads[d].items():
-                v.copy_(src._payloads[src_d][k], non_blocking=nb)
+                v.copy_(source[d][k], non_blocking=nb)
         return dst
+    _check_writable(dst, "copy_")
     hp = src.dequantize(dst.dtype) if isinstance(src, QuantizedTensor) else src
-    dst._assign(hp.to(dst.device))
+    dst._assign(hp.to(dst.device), "copy_")
     return dst
 
 
@@ -405,7 +568,16 @@ def _slice_rows(t: QuantizedTensor, start: int, end: int, shape) -> QuantizedTen
         fields = codec_for(sub).fields(sub, d)
         payloads[d] = {k: (v if fields[k] is None else v[start // fields[k]: -(-end // fields[k])])
                        for k, v in p.items()}
-    return _like(t, payloads, shape=shape)
+    # A slice of part of the rows shares the whole's tensor-wide fields: a partial view (in the
+    # coordinates of the tensor that owns the payloads, when t is itself one).
+    shared = _shared_fields(t._quantizer, t.directions)
+    parent = t._partial
+    partial = None
+    if shared and parent is not None:
+        partial = _Partial(parent.start + start, parent.start + end, parent.rows, shared, parent.whole)
+    elif shared and (start, end) != (0, m):
+        partial = _Partial(start, end, m, shared, {d: dict(p) for d, p in t._payloads.items()})
+    return _like(t, payloads, shape=shape, partial=partial)
 
 
 @_implements([aten.slice.Tensor])
@@ -475,9 +647,10 @@ def _as_strided(func, args, kwargs):
     return _like(t, t._payloads, shape=tuple(size), shape2d=t._shape2d)
 
 
-def _rebuild_quantized(shape, dtype, quantizer, payloads, requires_grad, shape2d) -> QuantizedTensor:
+def _rebuild_quantized(shape, dtype, quantizer, payloads, requires_grad, shape2d, partial=None) -> QuantizedTensor:
     payloads = {d: {k: (v if view is None else v.view(view)) for k, (v, view) in p.items()} for d, p in payloads.items()}
-    return QuantizedTensor(shape, dtype, quantizer, payloads, requires_grad=requires_grad, shape2d=shape2d)
+    return QuantizedTensor(shape, dtype, quantizer, payloads, requires_grad=requires_grad, shape2d=shape2d,
+                           partial=partial)
 
 
 def quantized_safe_globals() -> list:

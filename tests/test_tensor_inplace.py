@@ -211,7 +211,8 @@ def test_copy_with_equal_tensor_wide_fields_is_allowed(q, kw):
     t[A:B].copy_(src)
     for d in t.directions:
         for a, b in ((0, A), (B, M)):
-            assert_payload_equal(payload_rows(q, d, t.payload(d), a, b), payload_rows(q, d, snap[d], a, b), f"{d} {a}:{b}")
+            assert_payload_equal(payload_rows(q, d, t.payload(d), a, b), payload_rows(q, d, snap[d], a, b),
+                                 f"{d} {a}:{b}")
         assert_payload_equal(payload_rows(q, d, t.payload(d), A, B), src.payload(d), f"{d} slice")
 
 
@@ -331,3 +332,11 @@ def test_unmappable_write_describes_the_actual_tensor(q):
     assert "its payloads describe the [M, K] = [64, 128] matrix" in msg, msg
     assert "[1, 8192]" not in msg, msg
     _assert_unchanged(t, snap)
+
+
+@pytest.mark.parametrize("q", WHOLE + [pytest.param(dtq.Float8RowwiseQuantizer(), id="fp8row")])
+def test_update_usage_on_a_view_builds_the_matrix_direction(q):
+    x = randn(64, 128)
+    v = q.quantize(x, columnwise=False).view(-1)
+    v.update_usage(columnwise=True, source=x.view(-1))
+    assert_payload_equal(v.payload("columnwise"), q.quantize(x).payload("columnwise"), "columnwise")
