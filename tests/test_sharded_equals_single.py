@@ -16,7 +16,6 @@ import itertools
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -88,37 +87,33 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
+def _add_bits(out: dict, name: str, t: torch.Tensor) -> None:
+    """``t`` as bits under ``name`` (a QuantizedTensor: each payload field, tensor-wide ones whole)."""
+    if isinstance(t, dtq.QuantizedTensor):
+        for d in t.directions:
+            for k, v in t.payload(d).items():
+                out[f"{name}.{d}.{k}"] = _bits(v)
+    else:
+        out[name] = _bits(t.__dtq_unwrap__() if hasattr(t, "__dtq_unwrap__") else t)
+
+
 def _state(model) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer as bits: a whole tensor from the reference, this rank's rows
-    from a sharded run (quantized parameters: each payload field, tensor-wide ones whole)."""
+    """Every parameter and buffer of a sharded run as bits: this rank's rows of sharded ones."""
     out = {}
-    rank = dist.get_rank() if dist.is_initialized() else 0
     for name, p in itertools.chain(model.named_parameters(), model.named_buffers()):
-        local = p._local_tensor if isinstance(p, DTensor) else p
-        if isinstance(local, dtq.QuantizedTensor):
-            for d in local.directions:
-                for k, v in local.payload(d).items():
-                    out[f"{name}.{d}.{k}"] = _bits(v)
-        else:
-            out[name] = _bits(local.__dtq_unwrap__() if hasattr(local, "__dtq_unwrap__") else local)
-        out[name + ".__rank__"] = torch.tensor([rank if isinstance(p, DTensor) else -1])
+        _add_bits(out, name, p._local_tensor if isinstance(p, DTensor) else p)
     return out
 
 
 def _reference_rows(ref: torch.nn.Module, rows_of: dict) -> dict[str, torch.Tensor]:
-    """The reference's parameters cut to the rows a sharded rank holds (``rows_of``: name ->
-    (start, end) of dim 0), in ``_state``'s keys."""
+    """The reference's parameters and buffers as bits, cut to the rows a sharded rank holds
+    (``rows_of``: name -> (start, end) of dim 0)."""
     out = {}
     for name, p in itertools.chain(ref.named_parameters(), ref.named_buffers()):
         if name in rows_of:
             start, end = rows_of[name]
             p = p[start:end]
-        if isinstance(p, dtq.QuantizedTensor):
-            for d in p.directions:
-                for k, v in p.payload(d).items():
-                    out[f"{name}.{d}.{k}"] = _bits(v)
-        else:
-            out[name] = _bits(p.__dtq_unwrap__() if hasattr(p, "__dtq_unwrap__") else p)
+        _add_bits(out, name, p)
     return out
 
 
