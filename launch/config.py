@@ -214,8 +214,46 @@ def from_dict(raw: dict[str, Any]) -> Config:
         bad = set(table) - fields
         if bad:
             raise ValueError(f"config: unknown key(s) {sorted(bad)} in [{name}]; valid keys: {sorted(fields)}")
-        parts[name] = cls(**table)
+        parts[name] = cls(**{k: _typed(name, f, table[k]) for f in dataclasses.fields(cls) for k in [f.name]
+                             if k in table})
     return Config(**parts)
+
+
+_TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
+_KINDS = {"bool": bool, "int": int, "float": float, "str": str}
+
+
+def _typed(section: str, field: dataclasses.Field, value: Any) -> Any:
+    """``value`` checked against the field's declared type (``bool``, ``int``, ``float``, ``str``,
+    optionally ``| None``), so that a wrong type fails here with the key in the message rather
+    than as a truthy string or a TypeError deep in the trainer. A boolean may be written in any
+    case and as yes/no, on/off, 1/0 (``--set train.recompute=False``)."""
+    declared = str(field.type).replace(" ", "")
+    kind = _KINDS.get(declared.removesuffix("|None"))
+    if kind is None:  # tables (dict[...]) and anything else: taken as given
+        return value
+    key = f"{section}.{field.name}"
+    if value is None and declared.endswith("|None"):
+        return value
+    if kind is bool:
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
+            return bool(value)
+        if not isinstance(value, bool):
+            raise ValueError(f"config: {key} must be true or false, got {value!r}")
+        return value
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"config: {key} must be an integer, got {value!r}")
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"config: {key} must be a number, got {value!r}")
+        return float(value)
+    if kind is str and not isinstance(value, str):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # --set train.out_dir=2024 reads as a number
+        raise ValueError(f"config: {key} must be a string, got {value!r}")
+    return value
 
 
 def load(path: str | pathlib.Path | None, overrides: list[str] = ()) -> Config:

@@ -292,3 +292,19 @@ def test_resume_on_more_ranks_takes_rank0_histories(tmp_path):
     delayed-scaling histories, which the trainer keeps equal on every rank."""
     spawn(_save_with_histories, 2, str(tmp_path))
     spawn(_load_on_more_ranks, 4, str(tmp_path))
+
+
+def test_overrides_are_checked_against_the_field_types():
+    from launch import config as config_mod
+
+    cfg = config_mod.load(None, ["train.recompute=False", "train.quantized_params=no", "train.compile=TRUE",
+                                 "train.lr=1", "train.out_dir=2024"])
+    assert cfg.train.recompute is False and cfg.train.quantized_params is False and cfg.train.compile is True
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float) and cfg.train.out_dir == "2024"
+    for override, message in [("train.steps=abc", "config: train.steps must be an integer, got 'abc'"),
+                              ("train.steps=true", "config: train.steps must be an integer, got True"),
+                              ("train.recompute=maybe", "config: train.recompute must be true or false, got 'maybe'"),
+                              ("train.lr=fast", "config: train.lr must be a number, got 'fast'")]:
+        with pytest.raises(ValueError) as e:
+            config_mod.load(None, [override])
+        assert str(e.value) == message
