@@ -15,6 +15,7 @@ from dtq.formats.base import codec_for, shape_2d
 from dtq.gemm import Operand, mm
 from dtq.parallel import tp
 from dtq.parallel._torch_private import checkpoint_region
+from dtq.nn.gemm_state import GemmCall
 from dtq.recipe import QuantizerRole
 from dtq.tensor import QuantizedTensor
 
@@ -115,22 +116,26 @@ class Slot:
             raise ValueError(f"{self.role}: {e}") from None
 
 
-def _save(ctx, *objs, keep: tuple = ()) -> None:
-    """save_for_backward with QuantizedTensors taken apart into their plain payload tensors, so
-    saved-tensor hooks (torch.autograd.graph.save_on_cpu, dtq's offload) move payloads as
-    payloads: at their quantized size, bit for bit. Objects in ``keep`` (a quantized weight
-    parameter, whose payloads an FSDP2 backward gather refills) are kept as they are."""
+def flatten_saved(objs, keep: tuple = ()) -> tuple[list, list]:
+    """``objs`` as (plain tensors, specs): QuantizedTensors taken apart into their payload tensors
+    (each shared tensor once), so saved-tensor hooks (torch.autograd.graph.save_on_cpu, dtq's
+    offload) move payloads as payloads, at their quantized size, bit for bit. Objects in ``keep``
+    (a quantized weight parameter, whose payloads an FSDP2 backward gather refills) stay objects.
+    Fields go in sorted order, so the layout depends only on the formats, never on the order a
+    kernel or a reference filled them in."""
     flat, specs, index = [], [], {}
     for o in objs:
         if isinstance(o, QuantizedTensor) and not any(o is k for k in keep):
             fields = []
             for d in o.directions:
-                for k, v in o.payload(d).items():
+                payload = o.payload(d)
+                for k in sorted(payload):
+                    v = payload[k]
                     if id(v) not in index:  # identical directions share tensors: save once
                         index[id(v)] = len(flat)
                         flat.append(v)
                     fields.append((d, k, index[id(v)]))
-            specs.append(("qt", tuple(o.shape), o.dtype, o.quantizer, o.shape2d, fields))
+            specs.append(("qt", tuple(o.shape), o.dtype, o.quantizer, o.shape2d, tuple(fields)))
         elif isinstance(o, QuantizedTensor):
             specs.append(("obj", o))
         elif o is None:
@@ -138,14 +143,12 @@ def _save(ctx, *objs, keep: tuple = ()) -> None:
         else:
             specs.append(("t", len(flat)))
             flat.append(o)
-    ctx.save_for_backward(*flat)
-    ctx.saved_specs = specs
+    return flat, specs
 
 
-def _load(ctx) -> list:
-    flat = ctx.saved_tensors
+def unflatten_saved(flat, specs) -> list:
     out = []
-    for spec in ctx.saved_specs:
+    for spec in specs:
         if spec[0] == "qt":
             _, shape, dtype, quantizer, shape2d, fields = spec
             payloads: dict = {}
@@ -191,112 +194,166 @@ def _rows_shape(x_shape: torch.Size, rows: int, n: int) -> tuple[int, ...]:
     return (rows // inner, *x_shape[1:-1], n)
 
 
-class LinearFn(torch.autograd.Function):
-    """``y = x @ W.T + b`` with x quantized by ``sx``, W by ``sw`` (unless it is already a
-    QuantizedTensor parameter) and dy by ``sg``. ``need_dgrad`` / ``need_wgrad`` say which
-    gradients backward will compute (grad mode included), so no payload is built in vain.
+def _real_quantize(slot: Slot, x: torch.Tensor, **kwargs) -> torch.Tensor:
+    return slot.quantize(x, **kwargs)
 
-    Under tensor parallelism (``tp``, a :class:`dtq.parallel.tp.TPSpec`, over ``group``) the
-    weight is this rank's shard (a DTensor's local tensor); with sequence parallelism a column
-    GEMM gathers its input quantized and reduce-scatters dx, a row GEMM reduce-scatters its output
-    and gathers dy quantized (the two gathers whose payloads the GEMMs consume)."""
+
+def fake_quantize(slot: Slot, x: torch.Tensor, rowwise: bool, columnwise: bool, **_) -> torch.Tensor:
+    """What ``slot.quantize`` returns, with empty payloads of the same layout (shapes, dtypes,
+    shared tensors of identical directions) and nothing computed: the compiled path's shape
+    inference. Runs no kernel, draws no random numbers, moves no amax history."""
+    q = slot.quantizer
+    if q is None or not (rowwise or columnwise):
+        return x
+    dirs = tuple(d for d, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if on)
+    shape = shape_2d(x.shape)
+    twins = q.aliases(dirs)
+    payloads: dict = {}
+    for d in dirs:
+        if d in twins:
+            payloads[d] = dict(payloads[twins[d]])
+        else:
+            sub = q.for_direction(d)
+            try:
+                codec_for(sub).check_shape(sub, shape, d)
+            except ValueError as e:  # the message eager gives
+                raise ValueError(f"{slot.role}: {e}") from None
+            payloads[d] = codec_for(sub).empty(sub, shape, d, x.device, x.dtype)
+    return QuantizedTensor(x.shape, x.dtype, q, payloads, requires_grad=False)
+
+
+def fake_mm(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    (m, _), (_, n) = a.logical_shape(), b.logical_shape()
+    return torch.empty(m, n, dtype=out_dtype, device=a.tensor.device)
+
+
+def linear_forward(call: GemmCall, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   x_amax: torch.Tensor | None = None, *, quantize=_real_quantize, gemm=mm):
+    """``(y, saved_x, saved_w)`` of ``y = x @ W.T + b``: x quantized by the input slot, W by the
+    weight slot (unless it is a QuantizedTensor parameter already), and the operands backward
+    needs. ``quantize`` / ``gemm`` are replaced by :func:`fake_quantize` / :func:`fake_mm` for
+    shape inference (the compiled path), which then runs this very code."""
+    sx, sw, _ = call.slots
+    override = call.override
+    wl = _local_weight(weight)
+    x2 = x.reshape(-1, x.shape[-1])
+    gather = call.group if call.tp is not None and call.tp.gathers_input else None
+    bwd_cols = override is None
+    if gather is not None and override == "high_precision":
+        x2 = tp.gather_rows(x2, gather, reason=_HP_OVERRIDE)  # the override saves the high-precision input
+        xq = quantize(sx, x2, rowwise=True, columnwise=False, replay=call.replay, sync=call.amax_sync)
+    else:
+        xq = quantize(sx, x2, rowwise=True, columnwise=bwd_cols and call.need_wgrad, replay=call.replay, group=gather,
+                      sync=call.amax_sync, known_amax=x_amax)
+        if gather is not None and not isinstance(xq, QuantizedTensor):
+            x2 = xq  # gathered in high precision (no quantizer for the input)
+    if isinstance(wl, QuantizedTensor):
+        wq = wl
+    else:
+        wq = quantize(sw, wl, rowwise=True, columnwise=bwd_cols and call.need_dgrad, replay=call.replay,
+                      sync=call.amax_sync)
+    # GEMMs write the output dtype directly (no extra cast pass); with a bias, fp32 first.
+    y = gemm(Operand(xq, ROWWISE), Operand(wq, ROWWISE, transpose=True),
+             torch.float32 if bias is not None else x.dtype)
+    if bias is not None:
+        y = y + _local_weight(bias).to(torch.float32)
+    if override is None:
+        saved_x, saved_w = _keep(xq, COLUMNWISE), _keep(wq, COLUMNWISE)
+    elif override == "high_precision":
+        saved_x, saved_w = x2, wl
+    else:  # "dequantized": exactly the forward operands
+        saved_x, saved_w = _keep(xq, ROWWISE), _keep(wq, ROWWISE)
+    if isinstance(wl, QuantizedTensor):
+        # A quantized weight parameter is kept as the object itself: under FSDP2 its payloads
+        # are refilled by the backward all-gather (columnwise, or what the override needs).
+        saved_w = wl
+    y = y.to(x.dtype)
+    if call.tp is not None and call.tp.scatters_output:
+        y = tp.reduce_scatter_rows(y, call.group)
+    # Not a view of y (as reshape would give): FSDP2 warns about modules that return views.
+    y = torch.ops.aten._unsafe_view(y.contiguous(), _rows_shape(x.shape, y.shape[0], y.shape[-1]))
+    return y, (saved_x if call.need_wgrad else None), (saved_w if call.need_dgrad else None)
+
+
+def linear_backward(call: GemmCall, dy: torch.Tensor, saved_x, saved_w, x_shape: torch.Size, x_dtype: torch.dtype,
+                    w_dtype: torch.dtype, need_bgrad: bool):
+    """``(dx, dw, db)`` (None where not needed) of :func:`linear_forward` from its saved operands:
+    dgrad and wgrad on the payloads the recipe asks for, or the backward override's operands."""
+    _, _, sg = call.slots
+    need_dgrad, need_wgrad = call.need_dgrad, call.need_wgrad
+    # contiguous: the same reduction order (bias grad) whatever layout a compiled graph hands over
+    dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
+    scatter = call.group if call.tp is not None and call.tp.scatters_output else None
+    dx = dw = db = None
+    if call.override is None:
+        known = call.link.take_grad_amax() if call.link is not None else None  # max|dy| from the next op's kernel
+        gq = sg.quantize(dy2, rowwise=need_dgrad, columnwise=need_wgrad, group=scatter, sync=call.amax_sync,
+                         known_amax=known)
+        if need_dgrad:
+            if isinstance(saved_w, QuantizedTensor) and not saved_w.has(COLUMNWISE):
+                raise RuntimeError(f"dtq: {call.name}: the weight has no columnwise payload for dgrad (it holds "
+                                   f"{list(saved_w.directions)}). Quantize the weight with both directions, or "
+                                   "train it under a recipe with backward_override")
+            dx = mm(Operand(gq, ROWWISE), Operand(saved_w, COLUMNWISE), x_dtype)
+        if need_wgrad:
+            dw = mm(Operand(gq, COLUMNWISE, transpose=True), Operand(saved_x, COLUMNWISE), w_dtype)
+    else:
+        if scatter is not None:
+            dy2 = tp.gather_rows(dy2, scatter, reason=_HP_OVERRIDE)  # the overrides use the high-precision gradient
+        if call.override == "high_precision":
+            # Same products, in the same order and dtype, as torch's own linear backward, so that
+            # the gradients are bitwise those of the unquantized module.
+            if need_dgrad:
+                dx = dy2.mm(_hp(saved_w, dy.dtype)).to(x_dtype)
+            if need_wgrad:
+                dw = _hp(saved_x, dy.dtype).t().mm(dy2).t().to(w_dtype)
+        else:
+            # "dequantized": the forward's operand values exactly (fp32; they need not fit in bf16).
+            g = dy2.float()
+            if need_dgrad:
+                dx = g.mm(saved_w.dequantize(torch.float32, direction=ROWWISE)
+                          if isinstance(saved_w, QuantizedTensor) else _hp(saved_w, torch.float32)).to(x_dtype)
+            if need_wgrad:
+                xd = (saved_x.dequantize(torch.float32, direction=ROWWISE) if isinstance(saved_x, QuantizedTensor)
+                      else _hp(saved_x, torch.float32))
+                dw = xd.t().mm(g).t().to(w_dtype)
+    if need_bgrad:
+        db = dy2.sum(0)
+    if dx is not None:
+        if call.tp is not None and call.tp.gathers_input:
+            dx = tp.reduce_scatter_rows(dx, call.group)
+        dx = dx.reshape(x_shape)
+    return dx, dw, db
+
+
+class LinearFn(torch.autograd.Function):
+    """``y = x @ W.T + b`` as :func:`linear_forward` / :func:`linear_backward` describe, under the
+    :class:`GemmCall` ``call``.
+
+    Under tensor parallelism (``call.tp`` over ``call.group``) the weight is this rank's shard (a
+    DTensor's local tensor); with sequence parallelism a column GEMM gathers its input quantized
+    and reduce-scatters dx, a row GEMM reduce-scatters its output and gathers dy quantized (the two
+    gathers whose payloads the GEMMs consume)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, sx: Slot, sw: Slot, sg: Slot, override: str | None,
-                need_dgrad: bool, need_wgrad: bool, replay: bool, name: str, tp_spec=None, group=None,
-                amax_sync=None, x_amax=None, link=None):
+    def forward(ctx, x, weight, bias, x_amax, call: GemmCall):
+        y, saved_x, saved_w = linear_forward(call, x, weight, bias, x_amax)
         wl = _local_weight(weight)
-        x2 = x.reshape(-1, x.shape[-1])
-        gather = group if tp_spec is not None and tp_spec.gathers_input else None
-        bwd_cols = override is None
-        if gather is not None and override == "high_precision":
-            x2 = tp.gather_rows(x2, gather, reason=_HP_OVERRIDE)  # the override saves the high-precision input
-            xq = sx.quantize(x2, rowwise=True, columnwise=False, replay=replay, sync=amax_sync)
-        else:
-            xq = sx.quantize(x2, rowwise=True, columnwise=bwd_cols and need_wgrad, replay=replay, group=gather,
-                             sync=amax_sync, known_amax=x_amax)
-            if gather is not None and not isinstance(xq, QuantizedTensor):
-                x2 = xq  # gathered in high precision (no quantizer for the input)
-        if isinstance(wl, QuantizedTensor):
-            wq = wl
-        else:
-            wq = sw.quantize(wl, rowwise=True, columnwise=bwd_cols and need_dgrad, replay=replay, sync=amax_sync)
-        # GEMMs write the output dtype directly (no extra cast pass); with a bias, fp32 first.
-        y = mm(Operand(xq, ROWWISE), Operand(wq, ROWWISE, transpose=True), torch.float32 if bias is not None else x.dtype)
-        if bias is not None:
-            y = y + _local_weight(bias).to(torch.float32)
-        if override is None:
-            saved_x, saved_w = _keep(xq, COLUMNWISE), _keep(wq, COLUMNWISE)
-        elif override == "high_precision":
-            saved_x, saved_w = x2, wl
-        else:  # "dequantized": exactly the forward operands
-            saved_x, saved_w = _keep(xq, ROWWISE), _keep(wq, ROWWISE)
-        if isinstance(wl, QuantizedTensor):
-            # A quantized weight parameter is kept as the object itself: under FSDP2 its payloads
-            # are refilled by the backward all-gather (columnwise, or what the override needs).
-            saved_w = wl
-        _save(ctx, saved_x if need_wgrad else None, saved_w if need_dgrad else None, keep=(wl,))
-        ctx.sg, ctx.override, ctx.name, ctx.amax_sync, ctx.link = sg, override, name, amax_sync, link
-        ctx.need = (need_dgrad, need_wgrad, bias is not None and bias.requires_grad)
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
-        ctx.tp, ctx.group = tp_spec, group
+        flat, ctx.saved_specs = flatten_saved((saved_x, saved_w), keep=(wl,))
+        ctx.save_for_backward(*flat)
+        ctx.call = call
+        ctx.meta = (x.shape, x.dtype, weight.dtype, bias is not None and bias.requires_grad)
         ctx.w_spec = (weight.device_mesh, weight.placements, weight.shape, weight.stride()) if wl is not weight else None
         ctx.b_spec = (bias.device_mesh, bias.placements, bias.shape, bias.stride()) \
             if bias is not None and _local_weight(bias) is not bias else None
-        y = y.to(x.dtype)
-        if tp_spec is not None and tp_spec.scatters_output:
-            y = tp.reduce_scatter_rows(y, group)
-        # Not a view of y (as reshape would give): FSDP2 warns about modules that return views.
-        return torch.ops.aten._unsafe_view(y.contiguous(), _rows_shape(x.shape, y.shape[0], y.shape[-1]))
+        return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        saved_x, saved_w = _load(ctx)
-        need_dgrad, need_wgrad, need_bgrad = ctx.need
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        scatter = ctx.group if ctx.tp is not None and ctx.tp.scatters_output else None
-        dx = dw = db = None
-        if ctx.override is None:
-            known = ctx.link.take_grad_amax() if ctx.link is not None else None  # max|dy| from the next op's kernel
-            gq = ctx.sg.quantize(dy2, rowwise=need_dgrad, columnwise=need_wgrad, group=scatter, sync=ctx.amax_sync,
-                                 known_amax=known)
-            if need_dgrad:
-                if isinstance(saved_w, QuantizedTensor) and not saved_w.has(COLUMNWISE):
-                    raise RuntimeError(f"dtq: {ctx.name}: the weight has no columnwise payload for dgrad (it holds "
-                                       f"{list(saved_w.directions)}). Quantize the weight with both directions, or "
-                                       "train it under a recipe with backward_override")
-                dx = mm(Operand(gq, ROWWISE), Operand(saved_w, COLUMNWISE), ctx.x_dtype)
-            if need_wgrad:
-                dw = mm(Operand(gq, COLUMNWISE, transpose=True), Operand(saved_x, COLUMNWISE), ctx.w_dtype)
-        else:
-            if scatter is not None:
-                dy2 = tp.gather_rows(dy2, scatter, reason=_HP_OVERRIDE)  # the overrides use the high-precision gradient
-            if ctx.override == "high_precision":
-                # Same products, in the same order and dtype, as torch's own linear backward, so that
-                # the gradients are bitwise those of the unquantized module.
-                if need_dgrad:
-                    dx = dy2.mm(_hp(saved_w, dy.dtype)).to(ctx.x_dtype)
-                if need_wgrad:
-                    dw = _hp(saved_x, dy.dtype).t().mm(dy2).t().to(ctx.w_dtype)
-            else:
-                # "dequantized": the forward's operand values exactly (fp32; they need not fit in bf16).
-                g = dy2.float()
-                if need_dgrad:
-                    dx = g.mm(saved_w.dequantize(torch.float32, direction=ROWWISE)
-                              if isinstance(saved_w, QuantizedTensor) else _hp(saved_w, torch.float32)).to(ctx.x_dtype)
-                if need_wgrad:
-                    xd = (saved_x.dequantize(torch.float32, direction=ROWWISE) if isinstance(saved_x, QuantizedTensor)
-                          else _hp(saved_x, torch.float32))
-                    dw = xd.t().mm(g).t().to(ctx.w_dtype)
-        if need_bgrad:
-            db = _as_param_grad(dy2.sum(0), ctx.b_spec)
-        if dx is not None:
-            if ctx.tp is not None and ctx.tp.gathers_input:
-                dx = tp.reduce_scatter_rows(dx, ctx.group)
-            dx = dx.reshape(ctx.x_shape)
-        return (dx, _as_param_grad(dw, ctx.w_spec), db, None, None, None, None, None, None, None, None, None, None, None,
-                None, None)
+        saved_x, saved_w = unflatten_saved(ctx.saved_tensors, ctx.saved_specs)
+        dx, dw, db = linear_backward(ctx.call, dy, saved_x, saved_w, *ctx.meta)
+        return dx, _as_param_grad(dw, ctx.w_spec), _as_param_grad(db, ctx.b_spec), None, None
 
 
 def _as_param_grad(g: torch.Tensor | None, spec) -> torch.Tensor | None:

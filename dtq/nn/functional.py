@@ -105,7 +105,52 @@ class _SwiGLU(torch.autograd.Function):
         return swiglu_backward_reference(dh, x, ctx.block), None, None
 
 
-@torch.compiler.disable  # already one kernel each way; inside a compiled region, a graph break
+@torch.library.custom_op("dtq::swiglu", mutates_args=())
+def _swiglu_op(x: torch.Tensor, block: int) -> torch.Tensor:
+    """The compiled path of :func:`swiglu`: the eager kernel (or reference) as one opaque op, so
+    compiled bits are the eager ones."""
+    return _SwiGLU.forward(_NoCtx(), x, block, None)
+
+
+@_swiglu_op.register_fake
+def _(x, block):
+    return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+
+
+@torch.library.custom_op("dtq::swiglu_backward", mutates_args=())
+def _swiglu_backward_op(dh: torch.Tensor, x: torch.Tensor, block: int) -> torch.Tensor:
+    ctx = _NoCtx()
+    ctx.saved_tensors, ctx.block, ctx.link = (x,), block, None
+    with torch.no_grad():
+        return _SwiGLU.backward(ctx, dh)[0]
+
+
+@_swiglu_backward_op.register_fake
+def _(dh, x, block):
+    return torch.empty_like(x)
+
+
+class _NoCtx:
+    """Stands in for autograd's ctx when the custom ops call _SwiGLU's bodies."""
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+
+def _swiglu_setup(ctx, inputs, output):
+    x, block = inputs
+    ctx.block = block
+    ctx.save_for_backward(x)
+
+
+def _swiglu_grad(ctx, dh):
+    (x,) = ctx.saved_tensors
+    return torch.ops.dtq.swiglu_backward(dh, x, ctx.block), None
+
+
+_swiglu_op.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
+
+
 def swiglu(x: torch.Tensor, block: int | None = None, *, link: AmaxLink | None = None) -> torch.Tensor:
     """``silu(a) * b`` of ``x = [..., 2F]``: ``a`` the first half of the last dim and ``b`` the
     second, or, with ``block=B``, gate and up alternating in blocks of ``B`` columns
@@ -119,4 +164,6 @@ def swiglu(x: torch.Tensor, block: int | None = None, *, link: AmaxLink | None =
         raise ValueError(f"swiglu: block={block} must divide half the last dim ({f}) of x (shape {tuple(x.shape)})")
     if not x.is_floating_point():
         raise ValueError(f"swiglu: x must be floating point, got {x.dtype}")
+    if torch.compiler.is_compiling():  # one opaque op each way (no amax link: it is Python state)
+        return _swiglu_op(x, block)
     return _SwiGLU.apply(x, block, link)

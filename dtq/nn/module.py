@@ -6,11 +6,13 @@ import weakref
 
 import torch
 
-from dtq.autocast import active_amax_sync, active_recipe
+from dtq.autocast import active_recipe
 from dtq.checkpoint.state_dict import SEP, check_weight, weight_entries, weight_meta
+from dtq.nn import _ops
 from dtq.nn._linear_fn import DequantizeWeight, LinearFn, Slot, _local_weight
+from dtq.nn.gemm_state import GemmCall, GemmSlots, GemmState
 from dtq.parallel import tp
-from dtq.parallel._torch_private import in_backward, inside_checkpoint_forward
+from dtq.parallel._torch_private import in_backward
 from dtq.parallel.fsdp import HighPrecisionWeight
 from dtq.recipe import QuantizerRole, Recipe
 from dtq.tensor import QuantizedTensor, warn_once
@@ -34,6 +36,7 @@ class QuantizedModule(torch.nn.Module):
         super().__init__()
         self.name = name
         self._slot_cache: dict = {}
+        self.gemm_state = GemmState()
 
     def gemm_suffixes(self) -> list[str]:
         return [""]
@@ -55,7 +58,7 @@ class QuantizedModule(torch.nn.Module):
 
     def weight_slot(self, weight_name: str, recipe: Recipe) -> Slot:
         """The slot (quantizer and, under delayed scaling, amax history) of weight ``weight_name``."""
-        return self._slots(recipe, self.weight_names().index(weight_name))[1]
+        return self._slots(recipe, self.weight_names().index(weight_name)).sw
 
     def quantizer_roles(self) -> list[QuantizerRole | None]:
         roles: list[QuantizerRole | None] = []
@@ -64,21 +67,20 @@ class QuantizedModule(torch.nn.Module):
                 roles.append(QuantizerRole(self.module_type, tt, self.name + suffix) if tt in _QUANTIZED_SLOTS else None)
         return roles
 
-    def _slots(self, recipe: Recipe, gemm: int) -> tuple[Slot, Slot, Slot]:
+    def _slots(self, recipe: Recipe, gemm: int) -> GemmSlots:
         """The (input, weight, grad_output) slots of one GEMM under ``recipe``; the factory is asked
         once per slot and recipe (the last few recipes are remembered)."""
-        slots = self._slot_cache.pop(recipe, None)
+        slots = self._slot_cache.get(recipe)
         if slots is None:
-            slots = self._build_slots(recipe)
-        self._slot_cache[recipe] = slots  # most recent last
-        while len(self._slot_cache) > 8:
-            self._slot_cache.pop(next(iter(self._slot_cache)))
+            slots = self._slot_cache[recipe] = self._build_slots(recipe)
+            while len(self._slot_cache) > 8:
+                self._slot_cache.pop(next(iter(self._slot_cache)))
         return slots[gemm]
 
-    def _build_slots(self, recipe: Recipe) -> list[tuple[Slot, Slot, Slot]]:
+    def _build_slots(self, recipe: Recipe) -> list[GemmSlots]:
         roles = self.quantizer_roles()
         out = []
-        for g in range(len(self.gemm_suffixes())):
+        for g, suffix in enumerate(self.gemm_suffixes()):
             gemm_roles = roles[g * len(SLOT_TYPES):(g + 1) * len(SLOT_TYPES)]
             slots = []
             for tt, role in zip(SLOT_TYPES, gemm_roles):
@@ -95,7 +97,7 @@ class QuantizedModule(torch.nn.Module):
                     slot.owner, slot.history = weakref.ref(self), self._history(f"{g}_{tt}", recipe.amax_history_len)
                     slot.margin, slot.most_recent = recipe.margin, recipe.amax_compute_algo == "most_recent"
                 slots.append(slot)
-            out.append(tuple(slots))
+            out.append(GemmSlots(f"{type(self).__name__} {self.name!r}{suffix}", recipe, *slots, self.gemm_state))
         return out
 
     def _history(self, key: str, length: int) -> str:
@@ -158,45 +160,55 @@ class QuantizedModule(torch.nn.Module):
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
         state = dict(state)
         state["_slot_cache"] = {}  # rebuilt on use; holds weak references and user factories
-        state.pop("_dtq_recipe", None)
-        state.pop("_dtq_amax_sync", None)
         return state
 
-    # torch.compile: the GEMM (recipe lookup, quantize, scaled or emulated GEMM, the autograd
-    # function, TP communication) runs eagerly as a graph break; compile fuses what lies between
-    # dtq modules (norms, activations, attention). Dynamo cannot trace the ambient recipe, the
-    # payload dicts or the kernels' extension calls.
-    @torch.compiler.disable
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemm: int = 0, *,
                 x_amax: torch.Tensor | None = None, link=None) -> torch.Tensor:
         """One GEMM of the module under the active recipe. ``x_amax``: max|x| if known (computed
         by the op that produced x); ``link``: a ``dtq.nn.functional.AmaxLink`` whose ``grad_amax``
-        the next op's backward sets to max|dy|. Both only spare current scaling an amax pass."""
-        name = f"{type(self).__name__} {self.name!r}{self.gemm_suffixes()[gemm]}"
+        the next op's backward sets to max|dy|. Both only spare current scaling an amax pass.
+
+        Under ``torch.compile`` this traces without a graph break: the GEMM is the custom op
+        ``dtq::linear`` (``dtq.nn._ops``), which runs the eager code. Tensor-parallel GEMMs,
+        GEMMs of weights FSDP2 gathers and high-precision use of quantized weights (no recipe)
+        still run eagerly there, as a graph break."""
         spec = self._dtq_tp.get(gemm) if self._dtq_tp else None  # set by dtq.parallel's TP styles
-        group = self._dtq_tp_mesh.get_group() if spec is not None else None
         in_features = _local_weight(weight).shape[-1]
         if x.shape[-1] != in_features:
+            name = f"{type(self).__name__} {self.name!r}{self.gemm_suffixes()[gemm]}"
             raise ValueError(f"{name}: input of shape {list(x.shape)} has last dim {x.shape[-1]}, but the weight "
                              f"{list(_local_weight(weight).shape)} expects {in_features} input features"
                              + (" (this rank's tensor-parallel shard)" if spec is not None else ""))
+        state = self.gemm_state
+        grad = torch.is_grad_enabled()
+        no_grad_trainable = not grad and weight.requires_grad
+        if torch.compiler.is_compiling():
+            recipe, recompute_only = active_recipe(), False
+            if recipe is None and state.awaiting_recompute:
+                # A recompute runs outside dtq.autocast (dynamo cannot see that backward runs it;
+                # the op checks at run time that it is one).
+                recipe, recompute_only = state.recipe, True
+            if recipe is not None and spec is None and not state.fsdp_gathered:
+                key = _slots_key(self, recipe, gemm)
+                outs = _ops.linear(x, weight, [], 0, bias, x_amax, key, grad and x.requires_grad,
+                                   grad and weight.requires_grad, no_grad_trainable, recompute_only)
+                return outs[0]
+            if recipe is None and spec is None and not isinstance(weight, QuantizedTensor):
+                state.recipe = None
+                return self._high_precision_linear(x, weight, bias, None, None)
+            return self._linear_eager(x, weight, bias, gemm, x_amax, None)
+        return self._linear_eager(x, weight, bias, gemm, x_amax, link)
+
+    @torch.compiler.disable
+    def _linear_eager(self, x, weight, bias, gemm, x_amax, link) -> torch.Tensor:
+        spec = self._dtq_tp.get(gemm) if self._dtq_tp else None
+        group = self._dtq_tp_mesh.get_group() if spec is not None else None
+        state = self.gemm_state
         replay = in_backward()  # a forward run by backward is a recompute (torch.utils.checkpoint)
         recipe = active_recipe()
         if replay and recipe is None:
-            recipe = getattr(self, "_dtq_recipe", None)  # recompute under the forward's recipe
-        if not replay:
-            # What an FSDP2 gather of this module's weights needs to know later
-            # (dtq.parallel.fsdp): the recipe in use, and whether backward will recompute.
-            self._dtq_recipe = recipe
-            # Where this step's delayed-scaling amaxes are reduced (forward and, later, backward).
-            self._dtq_amax_sync = active_amax_sync()
-            if recipe is not None and recipe.delayed and self._dtq_amax_sync is None and _multi_rank():
-                warn_once("delayed-without-amax-group",
-                          f"dtq: {type(recipe).__name__} in a job of {torch.distributed.get_world_size()} ranks without "
-                          "dtq.autocast(..., amax_group=...): each rank keeps amax histories (and scales) of its own "
-                          "activations; pass the data-parallel group to share them, as TransformerEngine's fp8_group "
-                          "does")
-            self._dtq_recompute = inside_checkpoint_forward() or (not torch.is_grad_enabled() and weight.requires_grad)
+            recipe = state.recipe  # recompute under the forward's recipe
+        sync = state.begin(recipe, replay, not torch.is_grad_enabled() and weight.requires_grad)
         row_bias = None
         if spec is not None:
             if spec.kind == "column" and not spec.sequence_parallel:
@@ -206,15 +218,17 @@ class QuantizedModule(torch.nn.Module):
         if recipe is None:
             y = self._high_precision_linear(x, weight, bias, spec, group)
         else:
-            sx, sw, sg = self._slots(recipe, gemm)
+            slots = self._slots(recipe, gemm)
             w_local = _local_weight(weight)
-            if isinstance(w_local, QuantizedTensor) and sw.quantizer is not None and w_local.quantizer != sw.quantizer:
-                warn_once(f"qparam-recipe:{id(self)}", f"dtq: {name} holds a weight quantized as {w_local.quantizer!r}; "
-                          f"it is used as stored, not requantized to the recipe's {sw.quantizer!r}")
+            if isinstance(w_local, QuantizedTensor) and slots.sw.quantizer is not None and \
+                    w_local.quantizer != slots.sw.quantizer:
+                warn_once(f"qparam-recipe:{id(self)}", f"dtq: {slots.name} holds a weight quantized as "
+                          f"{w_local.quantizer!r}; it is used as stored, not requantized to the recipe's "
+                          f"{slots.sw.quantizer!r}")
             grad = torch.is_grad_enabled()
-            y = LinearFn.apply(x, weight, bias, sx, sw, sg, recipe.backward_override,
-                               grad and x.requires_grad, grad and weight.requires_grad, replay, name, spec, group,
-                               getattr(self, "_dtq_amax_sync", None), x_amax, link)
+            call = GemmCall(slots, grad and x.requires_grad, grad and weight.requires_grad, replay=replay,
+                            amax_sync=sync, link=link, tp=spec, group=group)
+            y = LinearFn.apply(x, weight, bias, x_amax, call)
         if spec is not None and spec.kind == "row":
             if not spec.sequence_parallel:
                 y = tp.ReduceFromTP.apply(y, group)
@@ -258,9 +272,12 @@ class QuantizedModule(torch.nn.Module):
                     torch.nn.init.uniform_(b, -bound, bound)
 
 
-def _multi_rank() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
-        torch.distributed.get_world_size() > 1
+@torch._dynamo.assume_constant_result
+def _slots_key(module: QuantizedModule, recipe: Recipe, gemm: int) -> int:
+    """The key of a module's GEMM slots under ``recipe``, taken while torch.compile traces (the
+    first use builds the slots, with their delayed-scaling buffers); a constant of the graph,
+    which is guarded on the module and the active recipe."""
+    return module._slots(recipe, gemm).key
 
 
 def as_weight(t: torch.Tensor, requires_grad: bool = True) -> torch.nn.Parameter:

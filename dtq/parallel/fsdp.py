@@ -52,14 +52,14 @@ def _gather_recipe(ctx: GatherContext, module):
     runs outside autocast and possibly on autograd's own thread, the one the module last ran."""
     if ctx.training_state == "FORWARD":
         return active_recipe()
-    return active_recipe() or getattr(module, "_dtq_recipe", None)
+    return active_recipe() or module.gemm_state.recipe
 
 
 def _needed_directions(ctx: GatherContext, module, quantizer: Quantizer, have: tuple[str, ...]) -> tuple[str, ...]:
     recipe = _gather_recipe(ctx, module)
     override = recipe.backward_override if recipe is not None else None
     columnwise_for_backward = override is None
-    rowwise_for_backward = override is not None or getattr(module, "_dtq_recompute", False)
+    rowwise_for_backward = override is not None or module.gemm_state.recompute
     state = ctx.training_state
     if state == "FORWARD":  # (FSDP2 gathers under no_grad: grad mode says nothing here)
         want = {ROWWISE}
@@ -354,6 +354,7 @@ class HighPrecisionWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         ctx = gather_context(self)
         _check_supported(ctx)
+        module.gemm_state.fsdp_gathered = True
         world = mesh.size()
         param_dtype = mp_policy.param_dtype or self.dtype
         shard = self._data.detach().to(param_dtype)
@@ -431,7 +432,7 @@ def precompute_amax(model: torch.nn.Module, recipe=None) -> None:
     for module in model.modules():
         if not isinstance(module, QuantizedModule):
             continue
-        rec = recipe or active_recipe() or getattr(module, "_dtq_recipe", None)
+        rec = recipe or active_recipe() or module.gemm_state.recipe
         if rec is None:
             continue
         for leaf in module.weight_names():
@@ -463,6 +464,7 @@ def precompute_amax(model: torch.nn.Module, recipe=None) -> None:
 def quantized_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, module, mp_policy):
     ctx = gather_context(self)
     _check_supported(ctx)
+    module.gemm_state.fsdp_gathered = True
     world = mesh.size()
     dirs = _needed_directions(ctx, module, self._quantizer, self.directions)
     _check_alignment(ctx, self._quantizer, dirs, outer_size, world)

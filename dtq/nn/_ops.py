@@ -1,0 +1,178 @@
+"""The compiled path of dtq's GEMMs: ``torch.library`` custom ops, so that ``torch.compile`` traces a
+dtq module without a graph break.
+
+``dtq::linear`` runs :func:`dtq.nn._linear_fn.linear_forward` and returns the output and the
+payload tensors backward needs; ``dtq::linear_backward`` runs ``linear_backward`` on them. Both
+run the eager code itself (the same kernels, so compiled results are the eager bits), and both
+have fake implementations for shape inference: the forward's is ``linear_forward`` run with
+empty payloads (``fake_quantize``), so its layout is the real one by construction. The module's
+slots travel as an integer key (a graph constant); what only the running call knows (a
+recompute, the amax reduction, checkpoint regions) is decided inside the op when it runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dtq.nn import _linear_fn as lf
+from dtq.nn.gemm_state import GemmCall, slots_by_key
+from dtq.parallel._torch_private import in_backward
+from dtq.tensor import QuantizedTensor, _implements
+
+
+def _unaliased(flat: list, inputs: tuple) -> list:
+    """Custom-op outputs may not alias inputs (or each other): a saved operand that is an input or
+    a view of one (the high-precision input of ``backward_override="high_precision"``, a
+    passthrough payload) is copied."""
+    out, seen = [], []
+    for t in flat:
+        if any(i is not None and torch._C._is_alias_of(t, i) for i in (*inputs, *seen)):
+            t = t.clone()
+        seen.append(t)
+        out.append(t)
+    return out
+
+
+_layouts: dict = {}
+_weight_keys: dict = {}  # a quantized weight's layout spec -> its key (interned; keys start at 1)
+_weight_specs: dict = {}
+
+
+def _weight_fields(weight: QuantizedTensor) -> tuple[list[torch.Tensor], int]:
+    """A quantized weight as its payload tensors and the key of its layout (format, shape, fields)."""
+    flat, (spec,) = lf.flatten_saved((weight,))
+    key = _weight_keys.setdefault(spec, len(_weight_keys) + 1)
+    _weight_specs[key] = spec
+    return flat, key
+
+
+def _weight(weight: torch.Tensor, w_fields: list[torch.Tensor], wkey: int) -> torch.Tensor:
+    return weight if wkey == 0 else lf.unflatten_saved(list(w_fields), [_weight_specs[wkey]])[0]
+
+
+def _layout(key: int, need_dgrad: bool, need_wgrad: bool, x, weight, has_x_amax: bool) -> list:
+    """The saved-operand specs (``flatten_saved``) of a forward call, from a run of the forward
+    on empty meta tensors (the bias changes only y): what ``dtq::linear_backward`` unflattens
+    its saved list with."""
+    fields, wkey = _weight_fields(weight) if isinstance(weight, QuantizedTensor) else ([], 0)
+    k = (key, need_dgrad, need_wgrad, tuple(x.shape), x.dtype, tuple(weight.shape), weight.dtype, wkey, has_x_amax)
+    specs = _layouts.get(k)
+    if specs is None:
+        meta = torch.device("meta")
+        xm = torch.empty(x.shape, dtype=x.dtype, device=meta)
+        if wkey:
+            wm = _weight(None, [torch.empty_like(f, device=meta) for f in fields], wkey)
+        else:
+            wm = torch.empty(weight.shape, dtype=weight.dtype, device=meta)
+        a = torch.empty((), dtype=torch.float32, device=meta) if has_x_amax else None
+        call = GemmCall(slots_by_key(key), need_dgrad, need_wgrad)
+        _, sx, sw = lf.linear_forward(call, xm, wm, None, a, quantize=lf.fake_quantize, gemm=lf.fake_mm)
+        _, specs = lf.flatten_saved((sx, sw), keep=(wm,))
+        _layouts[k] = specs
+    return specs
+
+
+def _forward(x, weight, bias, x_amax, key, need_dgrad, need_wgrad, no_grad_trainable, recompute_only,
+             fake: bool) -> list:
+    slots = slots_by_key(key)
+    if fake:
+        call = GemmCall(slots, need_dgrad, need_wgrad)
+        y, sx, sw = lf.linear_forward(call, x, weight, bias, x_amax, quantize=lf.fake_quantize, gemm=lf.fake_mm)
+    else:
+        replay = in_backward()
+        if recompute_only and not replay:
+            raise RuntimeError(f"dtq: {slots.name}: a compiled forward ran outside dtq.autocast after a forward whose "
+                               "recompute has not run yet (a no_grad or checkpointed forward under a recipe); a "
+                               "compiled module cannot tell this call from that recompute. Run that backward first, "
+                               "or run this forward eagerly (torch.compiler.set_stance('force_eager'))")
+        sync = slots.state.begin(slots.recipe, replay, no_grad_trainable)
+        call = GemmCall(slots, need_dgrad, need_wgrad, replay=replay, amax_sync=sync)
+        y, sx, sw = lf.linear_forward(call, x, weight, bias, x_amax)
+    flat, _ = lf.flatten_saved((sx, sw), keep=(weight,))  # a quantized weight is passed to backward again
+    return [y, *_unaliased(flat, (x, weight, bias, x_amax))]
+
+
+@torch.library.custom_op("dtq::linear", mutates_args=())
+def linear(x: torch.Tensor, weight: torch.Tensor, w_fields: list[torch.Tensor], wkey: int, bias: torch.Tensor | None,
+           x_amax: torch.Tensor | None, key: int, need_dgrad: bool, need_wgrad: bool, no_grad_trainable: bool,
+           recompute_only: bool) -> list[torch.Tensor]:
+    """``[y, *saved]``: the forward of one dtq GEMM under the slots ``key`` names. A quantized
+    weight parameter arrives as its payload tensors ``w_fields`` and layout ``wkey`` (its
+    ``QuantizedTensor`` dispatch takes it apart); ``wkey == 0``: ``weight`` is the weight."""
+    return _forward(x, _weight(weight, w_fields, wkey), bias, x_amax, key, need_dgrad, need_wgrad,
+                    no_grad_trainable, recompute_only, fake=False)
+
+
+@linear.register_fake
+def _linear_fake(x, weight, w_fields, wkey, bias, x_amax, key, need_dgrad, need_wgrad, no_grad_trainable,
+                 recompute_only):
+    return _forward(x, _weight(weight, w_fields, wkey), bias, x_amax, key, need_dgrad, need_wgrad, no_grad_trainable,
+                    recompute_only, fake=True)
+
+
+@torch.library.custom_op("dtq::linear_backward", mutates_args=())
+def linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], weight: torch.Tensor, w_fields: list[torch.Tensor],
+                    wkey: int, key: int, need_dgrad: bool, need_wgrad: bool, need_bgrad: bool, x_shape: list[int],
+                    x_dtype: torch.dtype, has_x_amax: bool) -> list[torch.Tensor]:
+    """``[dx?, dw?, db?]`` (those asked for, in that order) of ``dtq::linear``."""
+    slots = slots_by_key(key)
+    w = _weight(weight, w_fields, wkey)
+    x_meta = torch.empty(x_shape, dtype=x_dtype, device="meta")
+    specs = _layout(key, need_dgrad, need_wgrad, x_meta, w, has_x_amax)
+    saved_x, saved_w = lf.unflatten_saved(list(saved), specs)
+    if specs[1][0] == "obj":  # the quantized weight itself (its meta stand-in in the layout)
+        saved_w = w
+    call = GemmCall(slots, need_dgrad, need_wgrad, amax_sync=slots.state.amax_sync)
+    grads = lf.linear_backward(call, dy, saved_x, saved_w, torch.Size(x_shape), x_dtype, w.dtype, need_bgrad)
+    return [g for g in grads if g is not None]
+
+
+@linear_backward.register_fake
+def _linear_backward_fake(dy, saved, weight, w_fields, wkey, key, need_dgrad, need_wgrad, need_bgrad, x_shape, x_dtype,
+                          has_x_amax):
+    w = _weight(weight, w_fields, wkey)
+    out = []
+    if need_dgrad:
+        out.append(dy.new_empty(x_shape, dtype=x_dtype))
+    if need_wgrad:
+        out.append(dy.new_empty(w.shape, dtype=w.dtype))
+    if need_bgrad:
+        out.append(dy.new_empty(dy.shape[-1:], dtype=dy.dtype))
+    return out
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _, _, bias, x_amax, key, need_dgrad, need_wgrad, _, _ = inputs
+    ctx.args = (key, need_dgrad, need_wgrad, bias is not None and bias.requires_grad, list(x.shape), x.dtype,
+                x_amax is not None)
+    ctx.save_for_backward(weight, *output[1:])
+
+
+def _backward(ctx, grads):
+    key, need_dgrad, need_wgrad, need_bgrad = ctx.args[:4]
+    weight, *saved = ctx.saved_tensors
+    out = iter(torch.ops.dtq.linear_backward(grads[0], saved, weight, [], 0, *ctx.args))
+    dx = next(out) if need_dgrad else None
+    dw = next(out) if need_wgrad else None
+    db = next(out) if need_bgrad else None
+    return dx, dw, [], None, db, None, None, None, None, None, None  # w_fields: always [] at this level
+
+
+linear.register_autograd(_backward, setup_context=_setup_context)
+
+
+@_implements([torch.ops.dtq.linear.default, torch.ops.dtq.linear_backward.default])
+def _quantized_weight(func, args, kwargs):
+    """A quantized weight parameter reaches the ops through QuantizedTensor's dispatch (below
+    autograd, which keeps the parameter itself for its gradient): it continues as its payload
+    tensors, which is also what a compiled graph holds of it."""
+    args = list(args)
+    i = 1 if func is torch.ops.dtq.linear.default else 2
+    weight = args[i]
+    if not isinstance(weight, QuantizedTensor) or args[i + 2] != 0:
+        return NotImplemented
+    args[i + 1], args[i + 2] = _weight_fields(weight)
+    args[i] = torch.empty(0, dtype=weight.dtype, device=weight.device)  # a stand-in: the fields are the weight
+    if any(isinstance(a, QuantizedTensor) for a in args):
+        return NotImplemented
+    return func(*args, **kwargs)

@@ -1,0 +1,142 @@
+"""The explicit state of a dtq module's GEMMs, and the context object each GEMM call runs with.
+
+``GemmState`` (one per module, ``module.gemm_state``) is what a module's forward leaves for code
+that runs later without seeing the call: the FSDP2 gathers of its weights (which recipe, whether
+backward will recompute and so needs rowwise payloads), a recompute (the forward's recipe), and
+the delayed-scaling amax reduction of its backward. ``GemmSlots`` (per module, GEMM and recipe)
+holds the three quantized slots; ``GemmCall`` (per call) adds what grad mode, recompute and
+parallelism decide for that one call. ``LinearFn`` takes a ``GemmCall``."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dtq.autocast import active_amax_sync
+from dtq.parallel._torch_private import checkpoint_region, inside_checkpoint_forward
+from dtq.tensor import warn_once
+
+if TYPE_CHECKING:
+    from dtq.nn._linear_fn import Slot
+    from dtq.parallel.amax import AmaxSync
+    from dtq.recipe import Recipe
+
+
+@dataclasses.dataclass
+class GemmState:
+    """What the last forward of a module (not a recompute) decided, for its FSDP2 gathers, its
+    recompute and its backward."""
+
+    recipe: Recipe | None = None
+    amax_sync: AmaxSync | None = None
+    # Backward will recompute the forward (torch.utils.checkpoint, or a no_grad forward of a
+    # trainable weight): FSDP2's backward gather then brings rowwise payloads too.
+    recompute: bool = False
+    # A checkpointed forward ran and no recompute has run since: a compiled
+    # module resolves its recipe from this (the recompute runs outside dtq.autocast).
+    awaiting_recompute: bool = False
+    # FSDP2 gathers the weights (set by the gather hooks). The backward gather replaces the
+    # gathered weight's payloads (other directions than forward's), which a compiled graph,
+    # holding the forward's payload tensors, would not see: the GEMMs then run eagerly.
+    fsdp_gathered: bool = False
+
+    def begin(self, recipe: Recipe | None, replay: bool, no_grad_trainable: bool) -> AmaxSync | None:
+        """Record a forward call under ``recipe`` (a recompute records nothing: it replays the
+        forward it recomputes) and return the amax reduction its delayed scaling joins.
+        ``no_grad_trainable``: a forward without grad of a weight that requires grad, whose
+        backward (if any) recomputes it (reentrant checkpoint)."""
+        if replay:
+            self.awaiting_recompute = False
+            return self.amax_sync
+        self.recipe = recipe
+        self.amax_sync = active_amax_sync()
+        if recipe is not None and recipe.delayed and self.amax_sync is None and _multi_rank():
+            warn_once("delayed-without-amax-group",
+                      f"dtq: {type(recipe).__name__} in a job of {torch.distributed.get_world_size()} ranks without "
+                      "dtq.autocast(..., amax_group=...): each rank keeps amax histories (and scales) of its own "
+                      "activations; pass the data-parallel group to share them, as TransformerEngine's fp8_group "
+                      "does")
+        # reentrant checkpointing runs its forward under no_grad, inside CheckpointFunction
+        checkpointed = inside_checkpoint_forward() or (no_grad_trainable and checkpoint_region() is not None)
+        self.recompute = checkpointed or no_grad_trainable
+        self.awaiting_recompute = checkpointed
+        return self.amax_sync
+
+    def __getstate__(self) -> dict:
+        # an AmaxSync holds a process group: neither pickled nor deep-copied (rebuilt next step)
+        return {**self.__dict__, "amax_sync": None}
+
+    def __deepcopy__(self, memo) -> "GemmState":
+        return GemmState(self.recipe, None, self.recompute, self.awaiting_recompute, self.fsdp_gathered)
+
+
+_keys = itertools.count(1)
+_BY_KEY: "weakref.WeakValueDictionary[int, GemmSlots]" = weakref.WeakValueDictionary()
+
+
+@dataclasses.dataclass(eq=False)
+class GemmSlots:
+    """The (input, weight, grad_output) slots of one GEMM of one module under one recipe, with
+    the module's state. ``key`` names it to the compiled path's custom ops (integers are graph
+    constants; the object itself is not)."""
+
+    name: str
+    recipe: Recipe
+    sx: Slot
+    sw: Slot
+    sg: Slot
+    state: GemmState
+    key: int = dataclasses.field(default_factory=lambda: next(_keys))
+
+    def __post_init__(self):
+        _BY_KEY[self.key] = self
+
+    @property
+    def override(self) -> str | None:
+        return self.recipe.backward_override
+
+    def __iter__(self):  # (sx, sw, sg) unpacking
+        return iter((self.sx, self.sw, self.sg))
+
+
+def slots_by_key(key: int) -> GemmSlots:
+    slots = _BY_KEY.get(key)
+    if slots is None:
+        raise RuntimeError(f"dtq: a compiled graph refers to GEMM slots #{key}, which no longer exist (the module "
+                           "was deleted, or its slot cache evicted the recipe); call torch._dynamo.reset() or "
+                           "recompile the model")
+    return slots
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmCall:
+    """One call of one GEMM: its slots, which gradients backward computes (grad mode and
+    requires_grad included, so no payload is built in vain), whether this forward is a recompute,
+    the amax reduction of delayed scaling, the fused-kernel amax link (``dtq.nn.functional``), and
+    the tensor-parallel split (``tp`` over ``group``)."""
+
+    slots: GemmSlots
+    need_dgrad: bool
+    need_wgrad: bool
+    replay: bool = False
+    amax_sync: Any = None
+    link: Any = None
+    tp: Any = None
+    group: Any = None
+
+    @property
+    def name(self) -> str:
+        return self.slots.name
+
+    @property
+    def override(self) -> str | None:
+        return self.slots.override
+
+
+def _multi_rank() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
+        torch.distributed.get_world_size() > 1
