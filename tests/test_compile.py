@@ -122,7 +122,7 @@ def _fsdp_compiled_blocks(rank, world, quantized_params):
         torch.manual_seed(0)
         blocks = [_mlp(quantized_params, r) for _ in range(2)]
         if compile_blocks:  # torchtitan's order: compile each block, then shard it
-            blocks = [torch.compile(b, backend="aot_eager") for b in blocks]
+            blocks = [torch.compile(b, backend="aot_eager", fullgraph=True) for b in blocks]
         model = torch.nn.Sequential(*blocks)
         for b in model:
             fully_shard(b, mesh=mesh)

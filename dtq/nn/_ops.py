@@ -121,7 +121,9 @@ def linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], weight: torch.T
     specs = _layout(key, need_dgrad, need_wgrad, x_meta, w, has_x_amax)
     saved_x, saved_w = lf.unflatten_saved(list(saved), specs)
     if specs[1][0] == "obj":  # the quantized weight itself (its meta stand-in in the layout)
-        saved_w = w
+        # under FSDP2, the parameter the backward all-gather refilled, as eager backward reads it
+        live = slots.live_weight() if slots.state.fsdp_gathered else None
+        saved_w = live if isinstance(live, QuantizedTensor) else w
     call = GemmCall(slots, need_dgrad, need_wgrad, amax_sync=slots.state.amax_sync)
     grads = lf.linear_backward(call, dy, saved_x, saved_w, torch.Size(x_shape), x_dtype, w.dtype, need_bgrad)
     return [g for g in grads if g is not None]

@@ -40,8 +40,8 @@ class GemmState:
     # module resolves its recipe from this (the recompute runs outside dtq.autocast).
     awaiting_recompute: bool = False
     # FSDP2 gathers the weights (set by the gather hooks). The backward gather replaces the
-    # gathered weight's payloads (other directions than forward's), which a compiled graph,
-    # holding the forward's payload tensors, would not see: the GEMMs then run eagerly.
+    # gathered weight's payloads (other directions than forward's): a compiled graph holds the
+    # forward's payload tensors, so its backward reads the module's live parameter instead.
     fsdp_gathered: bool = False
 
     def begin(self, recipe: Recipe | None, replay: bool, no_grad_trainable: bool) -> AmaxSync | None:
@@ -90,6 +90,8 @@ class GemmSlots:
     sw: Slot
     sg: Slot
     state: GemmState
+    module: weakref.ReferenceType | None = None
+    weight_name: str = "weight"
     key: int = dataclasses.field(default_factory=lambda: next(_keys))
 
     def __post_init__(self):
@@ -98,6 +100,12 @@ class GemmSlots:
     @property
     def override(self) -> str | None:
         return self.recipe.backward_override
+
+    def live_weight(self) -> torch.Tensor | None:
+        """The module's weight parameter as it is now: under FSDP2, the unsharded parameter whose
+        payloads the backward all-gather refilled (a compiled graph holds the forward's)."""
+        module = self.module() if self.module is not None else None
+        return getattr(module, self.weight_name, None) if module is not None else None
 
     def __iter__(self):  # (sx, sw, sg) unpacking
         return iter((self.sx, self.sw, self.sg))

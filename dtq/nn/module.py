@@ -97,7 +97,8 @@ class QuantizedModule(torch.nn.Module):
                     slot.owner, slot.history = weakref.ref(self), self._history(f"{g}_{tt}", recipe.amax_history_len)
                     slot.margin, slot.most_recent = recipe.margin, recipe.amax_compute_algo == "most_recent"
                 slots.append(slot)
-            out.append(GemmSlots(f"{type(self).__name__} {self.name!r}{suffix}", recipe, *slots, self.gemm_state))
+            out.append(GemmSlots(f"{type(self).__name__} {self.name!r}{suffix}", recipe, *slots, self.gemm_state,
+                                 weakref.ref(self), self.weight_names()[g]))
         return out
 
     def _history(self, key: str, length: int) -> str:
@@ -169,9 +170,9 @@ class QuantizedModule(torch.nn.Module):
         the next op's backward sets to max|dy|. Both only spare current scaling an amax pass.
 
         Under ``torch.compile`` this traces without a graph break: the GEMM is the custom op
-        ``dtq::linear`` (``dtq.nn._ops``), which runs the eager code. Tensor-parallel GEMMs,
-        GEMMs of weights FSDP2 gathers and high-precision use of quantized weights (no recipe)
-        still run eagerly there, as a graph break."""
+        ``dtq::linear`` (``dtq.nn._ops``), which runs the eager code. Tensor-parallel GEMMs and
+        high-precision use of quantized weights (no recipe) still run eagerly there, as a graph
+        break."""
         spec = self._dtq_tp.get(gemm) if self._dtq_tp else None  # set by dtq.parallel's TP styles
         in_features = _local_weight(weight).shape[-1]
         if x.shape[-1] != in_features:
@@ -188,7 +189,7 @@ class QuantizedModule(torch.nn.Module):
                 # A recompute runs outside dtq.autocast (dynamo cannot see that backward runs it;
                 # the op checks at run time that it is one).
                 recipe, recompute_only = state.recipe, True
-            if recipe is not None and spec is None and not state.fsdp_gathered:
+            if recipe is not None and spec is None:
                 key = _slots_key(self, recipe, gemm)
                 outs = _ops.linear(x, weight, [], 0, bias, x_amax, key, grad and x.requires_grad,
                                    grad and weight.requires_grad, no_grad_trainable, recompute_only)
