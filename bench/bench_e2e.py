@@ -1,0 +1,222 @@
+"""End-to-end benchmark: a plain PyTorch Llama-style decoder stack, as users write it, trained one
+step at a time (forward, backward, fused AdamW) in BF16, under torchao float8, and under every dtq
+recipe after ``dtq.convert``, eager and compiled, all in one run; prints ms/step, tokens/s and
+ratios to BF16 and to torchao.
+
+    python bench/bench_e2e.py                                  # hidden 2048 (4 layers) and 4096 (2)
+    python bench/bench_e2e.py --hidden 1024 --layers 8 --seq 2048
+    python bench/bench_e2e.py --recipes fp8 mxfp8 --no-eager --out results.json
+    python bench/bench_e2e.py --smoke                           # tiny, any device: the script runs
+
+Each layer: RMSNorm, q/k/v/o ``nn.Linear`` (head dim 128), causal SDPA, residual, RMSNorm, SwiGLU
+MLP (gate/up/down ``nn.Linear``, FFN 8/3 x hidden rounded up to 256), residual. The input is a
+random BF16 ``[batch, seq, hidden]`` tensor (no embedding); loss = mean of the squared output.
+Compiled variants compile each decoder block (``torch.compile(block)``, as torchtitan and the dtq
+trainer do); dtq's GEMMs are custom ops inside those graphs. torchao rows use
+``convert_to_float8_training`` (tensorwise and rowwise recipes), compiled the same way. Timing:
+CUDA events around ``--inner`` back-to-back steps after ``--warmup`` steps, median of ``--iters``
+samples. A variant that fails prints its error in its row; the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import dtq  # noqa: E402
+from bench_layers import recipes  # noqa: E402
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, hidden: int, head_dim: int, dtype, device):
+        super().__init__()
+        kw = {"bias": False, "dtype": dtype, "device": device}
+        ffn = -(-8 * hidden // 3 // 256) * 256
+        self.heads, self.head_dim = hidden // head_dim, head_dim
+        self.attn_norm = torch.nn.RMSNorm(hidden, dtype=dtype, device=device)
+        self.q, self.k = torch.nn.Linear(hidden, hidden, **kw), torch.nn.Linear(hidden, hidden, **kw)
+        self.v, self.o = torch.nn.Linear(hidden, hidden, **kw), torch.nn.Linear(hidden, hidden, **kw)
+        self.mlp_norm = torch.nn.RMSNorm(hidden, dtype=dtype, device=device)
+        self.gate, self.up = torch.nn.Linear(hidden, ffn, **kw), torch.nn.Linear(hidden, ffn, **kw)
+        self.down = torch.nn.Linear(ffn, hidden, **kw)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        n = self.attn_norm(x)
+        q, k, v = (p(n).view(b, s, self.heads, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
+        x = x + self.o(a)
+        n = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(n)) * self.up(n))
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, hidden: int, layers: int, head_dim: int, dtype, device):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Layer(hidden, head_dim, dtype, device) for _ in range(layers))
+        self.norm = torch.nn.RMSNorm(hidden, dtype=dtype, device=device)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+def compile_blocks(model: Stack) -> Stack:
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block)
+    return model
+
+
+def torchao_variants(base: Stack) -> dict:
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        print(f"torchao not importable ({e}); skipping the torchao rows")
+        return {}
+    out = {}
+    for label, cfg in (("tensorwise", Float8LinearConfig()), ("rowwise", Float8LinearConfig.from_recipe_name("rowwise"))):
+        out[f"torchao float8 {label} compiled"] = (
+            lambda cfg=cfg: compile_blocks(convert_to_float8_training(copy.deepcopy(base), config=cfg)), None)
+    return out
+
+
+def time_variant(build, recipe, x, args, device) -> dict:
+    model = build()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
+
+    def step():
+        with dtq.autocast(recipe, enabled=recipe is not None):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(args.warmup):
+        step()
+    samples = []
+    for _ in range(args.iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(args.inner):
+                step()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / args.inner)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(args.inner):
+                step()
+            samples.append((time.perf_counter() - t0) * 1e3 / args.inner)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    return {"ms": statistics.median(samples), "peak_gib": peak}
+
+
+def commit() -> str:
+    if os.environ.get("DTQ_COMMIT"):
+        return os.environ["DTQ_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, nargs="+", default=[2048, 4096])
+    p.add_argument("--layers", type=int, default=None, help="default: 4 up to hidden 2048, else 2")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--recipes", nargs="*", default=None, help=f"subset of {list(recipes())}")
+    p.add_argument("--no-eager", action="store_true", help="skip the eager dtq rows")
+    p.add_argument("--no-compile", action="store_true", help="skip every compiled row")
+    p.add_argument("--no-torchao", action="store_true")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--inner", type=int, default=5)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.smoke:
+        args.hidden, args.layers, args.batch, args.seq, args.head_dim = [256], 1, 2, 64, 64
+        args.warmup, args.iters, args.inner = 1, 1, 1
+    chosen = recipes() if args.recipes is None else {k: recipes()[k] for k in args.recipes}
+    try:
+        import torchao
+        ao_version = torchao.__version__
+    except ImportError:
+        ao_version = "absent"
+    header = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+              "torchao": ao_version, "commit": commit(), "date": datetime.date.today().isoformat(),
+              "batch": args.batch, "seq": args.seq}
+    print(" | ".join(f"{k} {v}" for k, v in header.items()), flush=True)
+    results = []
+    for hidden in args.hidden:
+        layers = args.layers or (4 if hidden <= 2048 else 2)
+        torch.manual_seed(0)
+        base = Stack(hidden, layers, args.head_dim, torch.bfloat16, device)
+        x = torch.randn(args.batch, args.seq, hidden, device=device, dtype=torch.bfloat16)
+        variants = {"bf16 eager": (lambda: copy.deepcopy(base), None)}
+        if not args.no_compile:
+            variants["bf16 compiled"] = (lambda: compile_blocks(copy.deepcopy(base)), None)
+            if not args.no_torchao and device.type == "cuda":
+                variants.update(torchao_variants(base))
+        for name, recipe in chosen.items():
+            if not args.no_eager:
+                variants[f"dtq {name} eager"] = (lambda: dtq.convert(copy.deepcopy(base)), recipe)
+            if not args.no_compile:
+                variants[f"dtq {name} compiled"] = (lambda: compile_blocks(dtq.convert(copy.deepcopy(base))), recipe)
+        rows = {}
+        for name, (build, recipe) in variants.items():
+            torch._dynamo.reset()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                rows[name] = time_variant(build, recipe, x, args, device)
+            except Exception as e:  # noqa: BLE001 - report and go on with the other variants
+                rows[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+            print(f"  {name}: {rows[name]}", flush=True)
+        tokens = args.batch * args.seq
+        ref = rows["bf16 eager"].get("ms")
+        ref_c = rows.get("bf16 compiled", {}).get("ms")
+        ao = rows.get("torchao float8 tensorwise compiled", {}).get("ms")
+        print(f"\nhidden {hidden}, {layers} layers, {tokens} tokens/step")
+        print(f"{'variant':40s} {'ms/step':>8s} {'tok/s':>10s} {'vs bf16':>8s} {'vs bf16 c':>9s} {'vs ao tw':>8s} "
+              f"{'GiB':>6s}")
+        for name, r in rows.items():
+            results.append({"hidden": hidden, "layers": layers, "tokens": tokens, "variant": name, **r})
+            if "error" in r:
+                print(f"{name:40s} failed: {r['error']}")
+                continue
+            ms = r["ms"]
+
+            def ratio(other):
+                return f"{other / ms:.2f}x" if other else "-"
+            print(f"{name:40s} {ms:8.2f} {tokens / ms * 1e3:10.0f} {ratio(ref):>8s} {ratio(ref_c):>9s} "
+                  f"{ratio(ao) if name.startswith('dtq') else '':>8s} {r['peak_gib']:6.1f}")
+            results[-1].update({"tokens_per_s": tokens / ms * 1e3, "vs_bf16": ref / ms if ref else None})
+    if args.out:
+        Path(args.out).write_text(json.dumps({"header": header, "rows": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

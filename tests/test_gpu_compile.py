@@ -1,0 +1,122 @@
+"""GPU only (skipped elsewhere): a compiled dtq block on CUDA, where the GEMMs run the CUDA kernels
+and torch's scaled GEMMs. fullgraph inductor equals eager bitwise; a training step makes no host
+synchronisation (``torch.cuda.set_sync_debug_mode("error")``); and the recipes docs/compile.md
+lists as CUDA-graph safe run under ``mode="reduce-overhead"`` with eager's losses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dtq
+from _recipe_matrix import RECIPES
+from dtq import kernels
+
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and kernels.available("cuda")),
+                                reason="needs a CUDA GPU with dtq's kernels (sm_90+)")
+
+H = 256
+ALL = {**RECIPES, "fp8_high_precision_bwd": lambda: dtq.Float8CurrentScaling(backward_override="high_precision")}
+# Recipes whose step is a fixed sequence of kernels on fixed buffers: no host-side state that a
+# CUDA-graph replay would skip (delayed scaling's Python-side scale records, stochastic rounding's
+# per-call seeds are drawn outside what a replay repeats).
+CUDA_GRAPH_SAFE = ("fp8", "fp8_block", "fp8_row", "mxfp8", "fp8_dequantized_bwd", "fp8_high_precision_bwd")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        kw = {"dtype": torch.bfloat16, "device": "cuda"}
+        self.qkv = torch.nn.Linear(H, 3 * H, bias=False, **kw)
+        self.o = torch.nn.Linear(H, H, bias=False, **kw)
+        self.up = torch.nn.Linear(H, 2 * H, bias=False, **kw)
+        self.down = torch.nn.Linear(H, H, bias=False, **kw)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, H // 2).transpose(1, 3).unbind(2)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, H)
+        x = x + self.o(a)
+        g, u = self.up(x).chunk(2, dim=-1)
+        return x + self.down(torch.relu(g) * u)  # relu and mul: compiled bits equal eager's
+
+
+def _model():
+    torch.manual_seed(0)
+    return dtq.convert(Block())
+
+
+def _x():
+    return torch.randn(2, 128, H, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(1))
+
+
+def _step(model, x, recipe, seed):
+    torch.manual_seed(seed)
+    x = x.detach().clone().requires_grad_()
+    with dtq.autocast(recipe):
+        y = model(x)
+    y.float().square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return [y.detach(), x.grad, *grads]
+
+
+@pytest.mark.parametrize("recipe", list(ALL))
+def test_fullgraph_inductor_on_cuda_equals_eager(recipe):
+    r = ALL[recipe]()
+    eager, model = _model(), _model()
+    compiled = torch.compile(model, fullgraph=True)
+    x = _x()
+    for step in range(2):
+        want = _step(eager, x, r, 10 + step)
+        got = _step(compiled, x, r, 10 + step)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), (recipe, step, i)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("recipe", list(ALL))
+def test_training_step_makes_no_host_sync(recipe, compiled):
+    r = ALL[recipe]()
+    model = _model()
+    if compiled:
+        model = torch.compile(model, fullgraph=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    x = _x()
+
+    def step():
+        with dtq.autocast(r):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(2):  # warm-up: compilation, kernel build, first-use allocations
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("recipe", CUDA_GRAPH_SAFE)
+def test_cuda_graphs_reduce_overhead_equals_eager(recipe):
+    r = ALL[recipe]()
+    eager, model = _model(), _model()
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    x = _x()
+    for step in range(4):  # cudagraph trees record on the second call and replay after
+        want = _step(eager, x, r, 30 + step)
+        got = _step(compiled, x, r, 30 + step)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), (recipe, step, i)
