@@ -8,6 +8,8 @@ the built-in recipes are factory presets of the same mechanism.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import weakref
 from typing import Callable, ClassVar
 
 import torch
@@ -32,6 +34,14 @@ class QuantizerRole:
     name: str = ""
 
 
+_recipe_keys = itertools.count(1)
+_RECIPES: "weakref.WeakValueDictionary[int, Recipe]" = weakref.WeakValueDictionary()
+
+
+def recipe_by_key(key: int) -> "Recipe":
+    return _RECIPES[key]
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Recipe:
     """Base of all recipes (frozen, keyword-only settings). ``backward_override``: None |
@@ -39,11 +49,26 @@ class Recipe:
 
     backward_override: str | None = None
     delayed: ClassVar[bool] = False  # modules keep amax histories for this recipe's slots
+    # Whether quantizers depend on the role's module name (torch.compile then compiles each
+    # module's GEMMs apart; otherwise blocks of one structure share a graph).
+    name_dependent: ClassVar[bool] = False
 
     def __post_init__(self):
+        # A number naming the recipe to compiled graphs (an int is a graph constant; the object is not).
+        object.__setattr__(self, "_key", next(_recipe_keys))
+        _RECIPES[self._key] = self
         if self.backward_override not in BACKWARD_OVERRIDES:
             raise ValueError(f"{type(self).__name__}: backward_override={self.backward_override!r} is not one of "
                              f"{BACKWARD_OVERRIDES}")
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_key"}
+
+    def __setstate__(self, state: dict) -> None:  # pickle / deepcopy: a key of this process
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+        object.__setattr__(self, "_key", next(_recipe_keys))
+        _RECIPES[self._key] = self
 
     def qfactory(self, role: QuantizerRole) -> Quantizer | None:
         raise NotImplementedError
@@ -73,6 +98,7 @@ class CustomRecipe(Recipe):
     (A module-level function or a frozen dataclass keeps the recipe picklable.)"""
 
     qfactory: Callable[[QuantizerRole], Quantizer | None]
+    name_dependent: ClassVar[bool] = True
 
     def __post_init__(self):
         super().__post_init__()

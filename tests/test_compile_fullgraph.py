@@ -237,3 +237,57 @@ def test_fsdp2_over_fullgraph_compiled_blocks_equals_eager():
     from dtq.testing import spawn
 
     spawn(_fsdp_matrix, 2)
+
+
+def test_blocks_of_one_structure_share_one_graph():
+    """Each module is an opaque graph input, not a constant: twelve blocks compiled one by one
+    (torchtitan's way) trace once, beyond dynamo's recompile limit of eight, and each still
+    updates its own delayed-scaling history."""
+    torch._dynamo.utils.counters.clear()
+    r = dtq.DelayedScaling()
+    models = [dtq.convert(Block(torch.relu)) for _ in range(12)]
+    compiled = [torch.compile(m, backend="aot_eager", fullgraph=True) for m in models]
+    x = torch.randn(2, 16, H)
+    with dtq.autocast(r):
+        for i, c in enumerate(compiled):
+            c(x * (i + 1)).sum().backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    firsts = [m.qkv.amax_history_0_input[0] for m in models]
+    assert all(torch.equal(f, x.abs().amax() * (i + 1)) for i, f in enumerate(firsts))
+
+
+def test_name_dependent_custom_recipe_compiles_each_module_with_its_quantizers():
+    """A CustomRecipe may pick quantizers by module name (here: 'keep' stays high precision):
+    each module then gets a graph of its own, with its own quantizers."""
+    def factory(role):
+        return None if role.name.startswith("keep") else dtq.Float8Quantizer()
+
+    r = dtq.CustomRecipe(factory)
+    x = torch.randn(32, H)
+    for name in ("keep", "quant"):
+        torch.manual_seed(0)
+        m = dtq.nn.Linear(H, H, name=name)
+        with dtq.autocast(r):
+            got = torch.compile(m, backend="aot_eager", fullgraph=True)(x)
+            assert torch.equal(got, m(x))
+        exact = torch.nn.functional.linear(x, m.weight.__dtq_unwrap__(), m.bias)
+        assert torch.equal(got, exact) == (name == "keep")  # only "quant" was quantized
+
+
+def test_recipe_that_hides_its_name_dependence_is_refused():
+    """A recipe whose quantizers depend on names but that does not declare it would run one
+    module's GEMMs with another's quantizers in a shared graph: refused with a message."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Sneaky(dtq.recipe.Recipe):
+        def qfactory(self, role):
+            return dtq.MXFP8Quantizer() if role.name == "b" else dtq.Float8Quantizer()
+
+    r = Sneaky()
+    a, b = dtq.nn.Linear(H, H, name="a"), dtq.nn.Linear(H, H, name="b")
+    x = torch.randn(32, H)
+    with dtq.autocast(r):
+        torch.compile(a, backend="aot_eager", fullgraph=True)(x)
+        with pytest.raises(RuntimeError, match="name_dependent"):
+            torch.compile(b, backend="aot_eager", fullgraph=True)(x)

@@ -5,9 +5,11 @@ dtq module without a graph break.
 payload tensors backward needs; ``dtq::linear_backward`` runs ``linear_backward`` on them. Both
 run the eager code itself (the same kernels, so compiled results are the eager bits), and both
 have fake implementations for shape inference: the forward's is ``linear_forward`` run with
-empty payloads (``fake_quantize``), so its layout is the real one by construction. The module's
-slots travel as an integer key (a graph constant); what only the running call knows (a
-recompute, the amax reduction, checkpoint regions) is decided inside the op when it runs.
+empty payloads (``fake_quantize``), so its layout is the real one by construction. A GEMM's
+quantizers travel as the number of a slots template (a graph constant, the same for every block
+of one structure) and its module as an opaque ``GemmHandle`` (a graph input), so one graph
+serves every block; what only the running call knows (its module's amax histories and state, a
+recompute, the amax reduction, checkpoint regions) is looked up inside the op when it runs.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from dtq.nn import _linear_fn as lf
-from dtq.nn.gemm_state import GemmCall, slots_by_key
+from dtq.nn.gemm_state import GemmCall, GemmHandle, GemmSlots, template
 from dtq.parallel._torch_private import in_backward
 from dtq.tensor import QuantizedTensor, _implements
 
@@ -65,20 +67,31 @@ def _layout(key: int, need_dgrad: bool, need_wgrad: bool, x, weight, has_x_amax:
         else:
             wm = torch.empty(weight.shape, dtype=weight.dtype, device=meta)
         a = torch.empty((), dtype=torch.float32, device=meta) if has_x_amax else None
-        call = GemmCall(slots_by_key(key), need_dgrad, need_wgrad)
+        call = GemmCall(template(key), need_dgrad, need_wgrad)
         _, sx, sw = lf.linear_forward(call, xm, wm, None, a, quantize=lf.fake_quantize, gemm=lf.fake_mm)
         _, specs = lf.flatten_saved((sx, sw), keep=(wm,))
         _layouts[k] = specs
     return specs
 
 
-def _forward(x, weight, bias, x_amax, key, need_dgrad, need_wgrad, no_grad_trainable, recompute_only,
+def _module_slots(handle: GemmHandle, key: int) -> GemmSlots:
+    """The running module's slots for the template the graph was traced with (the same quantizers)."""
+    t = template(key)
+    slots = handle.slots(t.recipe, t.gemm)
+    if slots.quantizers != t.quantizers:
+        raise RuntimeError(f"dtq: {slots.name} shares a compiled graph traced for {t.name}, but the recipe gives it "
+                           f"other quantizers ({slots.quantizers} vs {t.quantizers}); a recipe whose quantizers depend "
+                           "on the module name must say so (name_dependent = True, as CustomRecipe does)")
+    return slots
+
+
+def _forward(x, weight, bias, x_amax, handle, key, need_dgrad, need_wgrad, no_grad_trainable, recompute_only,
              fake: bool) -> list:
-    slots = slots_by_key(key)
     if fake:
-        call = GemmCall(slots, need_dgrad, need_wgrad)
+        call = GemmCall(template(key), need_dgrad, need_wgrad)
         y, sx, sw = lf.linear_forward(call, x, weight, bias, x_amax, quantize=lf.fake_quantize, gemm=lf.fake_mm)
     else:
+        slots = _module_slots(handle, key)
         replay = in_backward()
         if recompute_only and not replay:
             raise RuntimeError(f"dtq: {slots.name}: a compiled forward ran outside dtq.autocast after a forward whose "
@@ -94,28 +107,29 @@ def _forward(x, weight, bias, x_amax, key, need_dgrad, need_wgrad, no_grad_train
 
 @torch.library.custom_op("dtq::linear", mutates_args=())
 def linear(x: torch.Tensor, weight: torch.Tensor, w_fields: list[torch.Tensor], wkey: int, bias: torch.Tensor | None,
-           x_amax: torch.Tensor | None, key: int, need_dgrad: bool, need_wgrad: bool, no_grad_trainable: bool,
-           recompute_only: bool) -> list[torch.Tensor]:
-    """``[y, *saved]``: the forward of one dtq GEMM under the slots ``key`` names. A quantized
+           x_amax: torch.Tensor | None, handle: GemmHandle, key: int, need_dgrad: bool, need_wgrad: bool,
+           no_grad_trainable: bool, recompute_only: bool) -> list[torch.Tensor]:
+    """``[y, *saved]``: the forward of one GEMM of ``handle``'s module, traced with the slots
+    template ``key``. A quantized
     weight parameter arrives as its payload tensors ``w_fields`` and layout ``wkey`` (its
     ``QuantizedTensor`` dispatch takes it apart); ``wkey == 0``: ``weight`` is the weight."""
-    return _forward(x, _weight(weight, w_fields, wkey), bias, x_amax, key, need_dgrad, need_wgrad,
+    return _forward(x, _weight(weight, w_fields, wkey), bias, x_amax, handle, key, need_dgrad, need_wgrad,
                     no_grad_trainable, recompute_only, fake=False)
 
 
 @linear.register_fake
-def _linear_fake(x, weight, w_fields, wkey, bias, x_amax, key, need_dgrad, need_wgrad, no_grad_trainable,
+def _linear_fake(x, weight, w_fields, wkey, bias, x_amax, handle, key, need_dgrad, need_wgrad, no_grad_trainable,
                  recompute_only):
-    return _forward(x, _weight(weight, w_fields, wkey), bias, x_amax, key, need_dgrad, need_wgrad, no_grad_trainable,
-                    recompute_only, fake=True)
+    return _forward(x, _weight(weight, w_fields, wkey), bias, x_amax, handle, key, need_dgrad, need_wgrad,
+                    no_grad_trainable, recompute_only, fake=True)
 
 
 @torch.library.custom_op("dtq::linear_backward", mutates_args=())
 def linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], weight: torch.Tensor, w_fields: list[torch.Tensor],
-                    wkey: int, key: int, need_dgrad: bool, need_wgrad: bool, need_bgrad: bool, x_shape: list[int],
-                    x_dtype: torch.dtype, has_x_amax: bool) -> list[torch.Tensor]:
+                    wkey: int, handle: GemmHandle, key: int, need_dgrad: bool, need_wgrad: bool, need_bgrad: bool,
+                    x_shape: list[int], x_dtype: torch.dtype, has_x_amax: bool) -> list[torch.Tensor]:
     """``[dx?, dw?, db?]`` (those asked for, in that order) of ``dtq::linear``."""
-    slots = slots_by_key(key)
+    slots = _module_slots(handle, key)
     w = _weight(weight, w_fields, wkey)
     x_meta = torch.empty(x_shape, dtype=x_dtype, device="meta")
     specs = _layout(key, need_dgrad, need_wgrad, x_meta, w, has_x_amax)
@@ -130,8 +144,8 @@ def linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], weight: torch.T
 
 
 @linear_backward.register_fake
-def _linear_backward_fake(dy, saved, weight, w_fields, wkey, key, need_dgrad, need_wgrad, need_bgrad, x_shape, x_dtype,
-                          has_x_amax):
+def _linear_backward_fake(dy, saved, weight, w_fields, wkey, handle, key, need_dgrad, need_wgrad, need_bgrad, x_shape,
+                          x_dtype, has_x_amax):
     w = _weight(weight, w_fields, wkey)
     out = []
     if need_dgrad:
@@ -144,20 +158,20 @@ def _linear_backward_fake(dy, saved, weight, w_fields, wkey, key, need_dgrad, ne
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, _, _, bias, x_amax, key, need_dgrad, need_wgrad, _, _ = inputs
-    ctx.args = (key, need_dgrad, need_wgrad, bias is not None and bias.requires_grad, list(x.shape), x.dtype,
+    x, weight, _, _, bias, x_amax, handle, key, need_dgrad, need_wgrad, _, _ = inputs
+    ctx.args = (handle, key, need_dgrad, need_wgrad, bias is not None and bias.requires_grad, list(x.shape), x.dtype,
                 x_amax is not None)
     ctx.save_for_backward(weight, *output[1:])
 
 
 def _backward(ctx, grads):
-    key, need_dgrad, need_wgrad, need_bgrad = ctx.args[:4]
+    need_dgrad, need_wgrad, need_bgrad = ctx.args[2:5]
     weight, *saved = ctx.saved_tensors
     out = iter(torch.ops.dtq.linear_backward(grads[0], saved, weight, [], 0, *ctx.args))
     dx = next(out) if need_dgrad else None
     dw = next(out) if need_wgrad else None
     db = next(out) if need_bgrad else None
-    return dx, dw, [], None, db, None, None, None, None, None, None  # w_fields: always [] at this level
+    return dx, dw, [], None, db, None, None, None, None, None, None, None  # w_fields: always [] at this level
 
 
 linear.register_autograd(_backward, setup_context=_setup_context)

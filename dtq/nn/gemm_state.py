@@ -10,11 +10,12 @@ parallelism decide for that one call. ``LinearFn`` takes a ``GemmCall``."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._library.opaque_object import register_opaque_type
+from torch._opaque_base import OpaqueBase
 
 from dtq.autocast import active_amax_sync
 from dtq.parallel._torch_private import checkpoint_region, inside_checkpoint_forward
@@ -74,32 +75,28 @@ class GemmState:
         return GemmState(self.recipe, None, self.recompute, self.awaiting_recompute, self.fsdp_gathered)
 
 
-_keys = itertools.count(1)
-_BY_KEY: "weakref.WeakValueDictionary[int, GemmSlots]" = weakref.WeakValueDictionary()
-
-
 @dataclasses.dataclass(eq=False)
 class GemmSlots:
     """The (input, weight, grad_output) slots of one GEMM of one module under one recipe, with
-    the module's state. ``key`` names it to the compiled path's custom ops (integers are graph
-    constants; the object itself is not)."""
+    the module's state (None in a template: see :func:`template_key`)."""
 
     name: str
     recipe: Recipe
     sx: Slot
     sw: Slot
     sg: Slot
-    state: GemmState
+    state: GemmState | None
     module: weakref.ReferenceType | None = None
     weight_name: str = "weight"
-    key: int = dataclasses.field(default_factory=lambda: next(_keys))
-
-    def __post_init__(self):
-        _BY_KEY[self.key] = self
+    gemm: int = 0
 
     @property
     def override(self) -> str | None:
         return self.recipe.backward_override
+
+    @property
+    def quantizers(self) -> tuple:
+        return (self.sx.quantizer, self.sw.quantizer, self.sg.quantizer)
 
     def live_weight(self) -> torch.Tensor | None:
         """The module's weight parameter as it is now: under FSDP2, the unsharded parameter whose
@@ -111,13 +108,55 @@ class GemmSlots:
         return iter((self.sx, self.sw, self.sg))
 
 
-def slots_by_key(key: int) -> GemmSlots:
-    slots = _BY_KEY.get(key)
-    if slots is None:
-        raise RuntimeError(f"dtq: a compiled graph refers to GEMM slots #{key}, which no longer exist (the module "
-                           "was deleted, or its slot cache evicted the recipe); call torch._dynamo.reset() or "
-                           "recompile the model")
-    return slots
+class GemmHandle(OpaqueBase):
+    """A dtq module as the compiled path's custom ops see it: an opaque graph *input* (not a
+    constant), so that blocks of one structure share one compiled graph while each call reaches
+    its own module's slots, amax histories and state when it runs."""
+
+    def __init__(self, module: torch.nn.Module):
+        self._module = weakref.ref(module)
+
+    def slots(self, recipe: Recipe, gemm: int) -> GemmSlots:
+        module = self._module()
+        if module is None:
+            raise RuntimeError("dtq: a compiled graph called a dtq module that no longer exists")
+        return module._slots(recipe, gemm)
+
+
+register_opaque_type(GemmHandle, typ="reference")
+
+_template_keys: dict = {}
+_TEMPLATES: dict[int, GemmSlots] = {}
+
+
+@torch._dynamo.assume_constant_result
+def template_key(recipe_key: int, module_type: str, name: str, suffix: str, gemm: int) -> int:
+    """The number of the slots template of one GEMM under a recipe: its quantizers (and roles,
+    for messages) without any module's state; what a compiled graph is traced with (a constant:
+    every argument is). ``name`` is the module's name only for recipes whose quantizers depend
+    on it, so that blocks of one structure share a graph."""
+    k = (recipe_key, module_type, name, suffix, gemm)
+    key = _template_keys.get(k)
+    if key is None:
+        from dtq.nn._linear_fn import Slot
+        from dtq.recipe import recipe_by_key
+
+        recipe = recipe_by_key(recipe_key)
+        slots = [Slot(r, recipe.quantizer(r)) for r in gemm_roles(module_type, name + suffix)]
+        key = _template_keys[k] = len(_template_keys) + 1
+        _TEMPLATES[key] = GemmSlots(f"{module_type} {name + suffix!r}", recipe, *slots, None, gemm=gemm)
+    return key
+
+
+def template(key: int) -> GemmSlots:
+    return _TEMPLATES[key]
+
+
+def gemm_roles(module_type: str, name: str) -> list:
+    """The roles of one GEMM's quantized slots (input, weight, grad_output)."""
+    from dtq.recipe import TENSOR_TYPES, QuantizerRole
+
+    return [QuantizerRole(module_type, tt, name) for tt in TENSOR_TYPES]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ from dtq.autocast import active_recipe
 from dtq.checkpoint.state_dict import SEP, check_weight, weight_entries, weight_meta
 from dtq.nn import _ops
 from dtq.nn._linear_fn import DequantizeWeight, LinearFn, Slot, _local_weight
-from dtq.nn.gemm_state import GemmCall, GemmSlots, GemmState
+from dtq.nn.gemm_state import GemmCall, GemmHandle, GemmSlots, GemmState, template_key
 from dtq.parallel import tp
 from dtq.parallel._torch_private import in_backward
 from dtq.parallel.fsdp import HighPrecisionWeight
@@ -37,6 +37,7 @@ class QuantizedModule(torch.nn.Module):
         self.name = name
         self._slot_cache: dict = {}
         self.gemm_state = GemmState()
+        self._gemm_handle = GemmHandle(self)
 
     def gemm_suffixes(self) -> list[str]:
         return [""]
@@ -98,7 +99,7 @@ class QuantizedModule(torch.nn.Module):
                     slot.margin, slot.most_recent = recipe.margin, recipe.amax_compute_algo == "most_recent"
                 slots.append(slot)
             out.append(GemmSlots(f"{type(self).__name__} {self.name!r}{suffix}", recipe, *slots, self.gemm_state,
-                                 weakref.ref(self), self.weight_names()[g]))
+                                 weakref.ref(self), self.weight_names()[g], g))
         return out
 
     def _history(self, key: str, length: int) -> str:
@@ -161,7 +162,12 @@ class QuantizedModule(torch.nn.Module):
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
         state = dict(state)
         state["_slot_cache"] = {}  # rebuilt on use; holds weak references and user factories
+        state.pop("_gemm_handle", None)  # refers to this module: a copy makes its own
         return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._gemm_handle = GemmHandle(self)
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemm: int = 0, *,
                 x_amax: torch.Tensor | None = None, link=None) -> torch.Tensor:
@@ -190,8 +196,11 @@ class QuantizedModule(torch.nn.Module):
                 # the op checks at run time that it is one).
                 recipe, recompute_only = state.recipe, True
             if recipe is not None and spec is None:
-                key = _slots_key(self, recipe, gemm)
-                outs = _ops.linear(x, weight, [], 0, bias, x_amax, key, grad and x.requires_grad,
+                # The slots as a template (constant) and the module as an opaque input: modules
+                # of one structure share the graph (unless the recipe's quantizers use names).
+                key = template_key(recipe._key, self.module_type, self.name if recipe.name_dependent else "",
+                                   self.gemm_suffixes()[gemm], gemm)
+                outs = _ops.linear(x, weight, [], 0, bias, x_amax, self._gemm_handle, key, grad and x.requires_grad,
                                    grad and weight.requires_grad, no_grad_trainable, recompute_only)
                 return outs[0]
             if recipe is None and spec is None and not isinstance(weight, QuantizedTensor):
@@ -273,12 +282,6 @@ class QuantizedModule(torch.nn.Module):
                     torch.nn.init.uniform_(b, -bound, bound)
 
 
-@torch._dynamo.assume_constant_result
-def _slots_key(module: QuantizedModule, recipe: Recipe, gemm: int) -> int:
-    """The key of a module's GEMM slots under ``recipe``, taken while torch.compile traces (the
-    first use builds the slots, with their delayed-scaling buffers); a constant of the graph,
-    which is guarded on the module and the active recipe."""
-    return module._slots(recipe, gemm).key
 
 
 def as_weight(t: torch.Tensor, requires_grad: bool = True) -> torch.nn.Parameter:
