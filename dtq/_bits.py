@@ -74,7 +74,8 @@ def per_tensor_scale(amax: torch.Tensor, fmax: float, pow2: bool) -> torch.Tenso
     amax would otherwise give +inf), optionally rounded down to a power of two."""
     amax = amax.to(torch.float32)
     ok = torch.isfinite(amax) & (amax > 0)
-    scale = torch.where(ok, torch.tensor(fmax, dtype=torch.float32, device=amax.device) / amax, torch.ones_like(amax))
+    # new_full: a fill on amax's device (torch.tensor(fmax, device=...) would be a blocking copy)
+    scale = torch.where(ok, amax.new_full((), fmax) / amax, torch.ones_like(amax))
     scale = torch.clamp(scale, max=FLT_MAX)
     if pow2:
         scale = round_down_pow2(scale)

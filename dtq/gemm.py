@@ -333,17 +333,32 @@ PATHS: list[GemmPath] = [
 ]
 
 
+def _path_key(op: Operand) -> tuple:
+    """What a path's ``supports`` reads of an operand: format, quantizer, direction, transpose,
+    logical shape, dtypes and device (never values)."""
+    t = op.tensor
+    data = t.payload(op.direction)["data"].dtype if op.quantized else None
+    return (op.quantized and t.quantizer, op.direction, op.transpose, op.logical_shape(), t.dtype, data, t.device)
+
+
+_chosen: dict = {}  # (operand keys, out dtype) -> the path; a GEMM's path is decided once (host time)
+
+
 def mm(a: Operand, b: Operand, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``op(A) @ op(B)`` through the first path that supports this pairing."""
-    (m, k), (k2, n) = a.logical_shape(), b.logical_shape()
-    if k != k2:
-        raise ValueError(f"GEMM shape mismatch: op(A) is [{m}, {k}] ({a.format} {a.direction}) but op(B) is "
-                         f"[{k2}, {n}] ({b.format} {b.direction}); the inner dimensions must agree")
-    for path in PATHS:
-        if path.supports(a, b, out_dtype):
-            if _recorders:
-                with _lock:
-                    for rec in _recorders:
-                        rec.append(path.name)
-            return path.run(a, b, out_dtype)
-    raise AssertionError("the emulated path supports every pairing")
+    key = (_path_key(a), _path_key(b), out_dtype)
+    path = _chosen.get(key)
+    if path is None:
+        (m, k), (k2, n) = a.logical_shape(), b.logical_shape()
+        if k != k2:
+            raise ValueError(f"GEMM shape mismatch: op(A) is [{m}, {k}] ({a.format} {a.direction}) but op(B) is "
+                             f"[{k2}, {n}] ({b.format} {b.direction}); the inner dimensions must agree")
+        path = next(p for p in PATHS if p.supports(a, b, out_dtype))  # the last one supports every pairing
+        if len(_chosen) > 4096:
+            _chosen.clear()
+        _chosen[key] = path
+    if _recorders:
+        with _lock:
+            for rec in _recorders:
+                rec.append(path.name)
+    return path.run(a, b, out_dtype)

@@ -68,10 +68,14 @@ class KernelSpec:
     out_dtype: torch.dtype | None = None
     amax_vector: str | None = None
 
-    def config(self) -> list[int]:
-        return [self.kind, self.block[0], self.block[1], int(self.e5m2), int(self.pow2), int(self.floor),
+    @functools.cached_property
+    def _config(self) -> tuple[int, ...]:  # asked at every launch: computed once per spec
+        return (self.kind, self.block[0], self.block[1], int(self.e5m2), int(self.pow2), int(self.floor),
                 int(self.stochastic), self.stream, int(self.hadamard_signs is not None), self.hadamard_signs or 0,
-                _DTYPE_CODE.get(self.out_dtype, 0)]
+                _DTYPE_CODE.get(self.out_dtype, 0))
+
+    def config(self) -> list[int]:
+        return list(self._config)
 
     @property
     def amax_space(self) -> str:
@@ -140,9 +144,22 @@ def capability(device: torch.device) -> tuple[int, int]:
     return _capability(torch.cuda.current_device() if device.index is None else device.index)
 
 
+_available: dict = {}
+
+
 def available(device: torch.device | str | int | None = None) -> bool:
     """Whether the kernels can run on ``device`` (default: the current CUDA device): a CUDA build of
-    torch, an sm_90+ GPU, kernels not disabled, and the extension built (building it if needed)."""
+    torch, an sm_90+ GPU, kernels not disabled, and the extension built (building it if needed).
+    Asked several times per quantize and GEMM: the answer is kept per device and setting of
+    ``DTQ_DISABLE_KERNELS``."""
+    key = (os.environ.get("DTQ_DISABLE_KERNELS"), device)
+    ok = _available.get(key)
+    if ok is None:
+        ok = _available[key] = _available_now(device)
+    return ok
+
+
+def _available_now(device) -> bool:
     if disabled() or torch.version.cuda is None or not torch.cuda.is_available():
         return False
     dev = torch.device("cuda") if device is None else torch.device(device)

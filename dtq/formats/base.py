@@ -314,37 +314,67 @@ def shape_2d(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
     return m, k
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What quantizing a [M, K] tensor into some directions needs to know beyond its values:
+    decided once per (quantizer, directions, shape), since the hot path runs every step."""
+
+    subs: dict  # direction -> the plain quantizer producing it
+    twins: dict  # direction -> the earlier direction whose payload it shares
+    own: tuple  # the directions computed (not twins)
+    uses_rng: bool
+    amax_spaces: frozenset  # spaces of the tensor-wide amaxes the own directions need
+
+
+_plans: dict = {}
+_kernel_plans: dict = {}
+
+
+def _plan(q: Quantizer, directions: tuple[str, ...], shape: tuple[int, int]) -> _Plan:
+    key = (q, directions, shape)
+    plan = _plans.get(key)
+    if plan is None:
+        subs = {d: q.for_direction(d) for d in directions}
+        for d, sub in subs.items():
+            codec_for(sub).check_shape(sub, shape, d)  # raises on every call with a bad shape: never cached
+        twins = q.aliases(tuple(subs))
+        plan = _Plan(subs, twins, tuple(d for d in subs if d not in twins),
+                     any(codec_for(s).uses_rng(s, d) for d, s in subs.items()),
+                     frozenset(codec_for(s).amax_space(s, d) for d, s in subs.items() if codec_for(s).needs_amax(s, d)))
+        if len(_plans) > 4096:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
 def quantize_payloads(q: Quantizer, x: torch.Tensor, directions: tuple[str, ...],
                       amax=None, seed=None) -> dict[str, Payload]:
     """Payloads of ``directions`` for ``x`` (the engine behind ``Quantizer.quantize``)."""
     x2 = _as_2d(x, q)
     shape = tuple(x2.shape)
-    subs = {d: q.for_direction(d) for d in directions}
-    for d, sub in subs.items():
-        codec_for(sub).check_shape(sub, shape, d)
-    if any(codec_for(s).uses_rng(s, d) for d, s in subs.items()):
+    plan = _plan(q, tuple(directions), shape)
+    subs = plan.subs
+    if plan.uses_rng:
         if seed is None:
             gen_device = x.device if x.device.type != "meta" else torch.device("cpu")
             seed = torch.randint(0, 2**31 - 1, (), device=gen_device, dtype=torch.int64)
         elif not isinstance(seed, torch.Tensor):
             seed = torch.tensor(int(seed), dtype=torch.int64)
     xc = x2.contiguous()
-    if isinstance(amax, torch.Tensor):
-        spaces = {codec_for(s).amax_space(s, d) for d, s in subs.items() if codec_for(s).needs_amax(s, d)}
-        if len(spaces) > 1:
-            raise ValueError(f"{type(q).__name__}.quantize: one amax tensor was given, but its directions take their "
-                             f"amax over different values ({sorted(spaces)}, e.g. the random-Hadamard columnwise "
-                             "direction needs max|T x|); pass amax={direction: tensor}, as local_amax() returns")
-    twins = q.aliases(tuple(subs))  # bitwise the same payload as an earlier direction: share the tensors
-    own = [d for d in subs if d not in twins]
+    if isinstance(amax, torch.Tensor) and len(plan.amax_spaces) > 1:
+        raise ValueError(f"{type(q).__name__}.quantize: one amax tensor was given, but its directions take their "
+                         f"amax over different values ({sorted(plan.amax_spaces)}, e.g. the random-Hadamard columnwise "
+                         "direction needs max|T x|); pass amax={direction: tensor}, as local_amax() returns")
+    twins, own = plan.twins, plan.own
     given = {}
-    for d in own:
-        sub = subs[d]
-        if codec_for(sub).needs_amax(sub, d) and amax is not None:
-            a = amax if isinstance(amax, torch.Tensor) else amax.get(d)
-            if a is not None:
-                given[d] = _given_amax(q, sub, d, a, shape).to(device=xc.device, dtype=torch.float32)
-    out = _kernel_payloads(subs, own, xc, given, seed)
+    if amax is not None:
+        for d in own:
+            sub = subs[d]
+            if codec_for(sub).needs_amax(sub, d):
+                a = amax if isinstance(amax, torch.Tensor) else amax.get(d)
+                if a is not None:
+                    given[d] = _given_amax(q, sub, d, a, shape).to(device=xc.device, dtype=torch.float32)
+    out = _kernel_payloads(q, plan, xc, given, seed)
     for d in own:
         if d in out:
             continue
@@ -367,8 +397,29 @@ def _given_amax(q: Quantizer, sub: Quantizer, direction: str, a: torch.Tensor, s
     return a.reshape(want)
 
 
-def _kernel_payloads(subs: dict[str, "Quantizer"], own: list[str], xc: torch.Tensor,
-                     given: dict[str, torch.Tensor], seed) -> dict[str, Payload]:
+def _kernel_specs(q: Quantizer, plan: _Plan, shape: tuple[int, int], dtype: torch.dtype) -> tuple:
+    """``(specs, todo, vectors)`` of the fused kernel for the own directions: their KernelSpecs,
+    the directions needing a tensor-wide amax pass first, and those reading per-row / per-column
+    amaxes; decided once per quantizer, directions, shape and dtype."""
+    key = (q, plan.own, shape, dtype)
+    found = _kernel_plans.get(key)
+    if found is None:
+        specs = {}
+        for d in plan.own:
+            spec = codec_for(plan.subs[d]).kernel_spec(plan.subs[d], d, shape, dtype)
+            if spec is not None:
+                specs[d] = spec
+        vectors = {d: specs[d].amax_vector for d in specs if specs[d].amax_vector}
+        todo = tuple(d for d in specs if codec_for(plan.subs[d]).needs_amax(plan.subs[d], d) and d not in vectors)
+        found = (specs, todo, vectors)
+        if len(_kernel_plans) > 4096:
+            _kernel_plans.clear()
+        _kernel_plans[key] = found
+    return found
+
+
+def _kernel_payloads(q: Quantizer, plan: _Plan, xc: torch.Tensor, given: dict[str, torch.Tensor],
+                     seed) -> dict[str, Payload]:
     """The payloads the CUDA kernels produce (one read of ``xc`` for all of them; a tensor-wide
     amax pass first where a direction needs one and none was given); {} where they don't apply."""
     if not xc.is_cuda or xc.numel() == 0:
@@ -377,17 +428,11 @@ def _kernel_payloads(subs: dict[str, "Quantizer"], own: list[str], xc: torch.Ten
 
     if xc.dtype not in kernels.INPUT_DTYPES or not kernels.available(xc.device):
         return {}
-    shape = tuple(xc.shape)
-    specs = {}
-    for d in own:
-        spec = codec_for(subs[d]).kernel_spec(subs[d], d, shape, xc.dtype)
-        if spec is not None:
-            specs[d] = spec
+    specs, todo, vectors = _kernel_specs(q, plan, tuple(xc.shape), xc.dtype)
     if not specs:
         return {}
     amaxes = dict(given)
-    vectors = {d: specs[d].amax_vector for d in specs if specs[d].amax_vector}
-    todo = [d for d in specs if codec_for(subs[d]).needs_amax(subs[d], d) and d not in given and d not in vectors]
+    todo = [d for d in todo if d not in given]
     if todo:
         signs = {specs[d].hadamard_signs for d in todo if specs[d].amax_space == "hadamard"}
         want_x = any(specs[d].amax_space == "x" for d in todo)

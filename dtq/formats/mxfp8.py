@@ -47,7 +47,7 @@ def e8m0_exponent(q: MXFP8Quantizer, amax: torch.Tensor) -> torch.Tensor:
     finite_pos = torch.isfinite(amax) & (amax > 0)
     safe = torch.where(finite_pos, amax, torch.ones_like(amax))
     if q.scale_rounding == "ceil":
-        d = safe / torch.tensor(fmax, dtype=torch.float32, device=amax.device)  # true fp32 division on every device
+        d = safe / safe.new_full((), fmax)  # a tensor: true fp32 division on every device (and no blocking copy)
         e = torch.where(d > 0, _bits.ceil_log2(torch.where(d > 0, d, torch.ones_like(d))),
                         torch.full_like(d, -127, dtype=torch.int32))
     else:

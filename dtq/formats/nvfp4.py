@@ -116,7 +116,7 @@ class NVFP4Codec(Codec):
         s_enc = global_scale(amax)
         # Divide by a tensor, not a Python scalar: torch's CUDA kernels turn division by a CPU scalar
         # into multiplication by its reciprocal, which is not the fp32 division this format defines.
-        six = torch.tensor(6.0, dtype=torch.float32, device=x.device)
+        six = xf.new_full((), 6.0, dtype=torch.float32)  # a fill, not a blocking host-to-device copy
         s_b = _bits.cast_fp8(_bits.block_amax(xf, tile) / six * s_enc, torch.float8_e4m3fn)
         s_bf = s_b.to(torch.float32)
         factor = torch.where(s_bf == 0, torch.zeros_like(s_bf), s_enc / s_bf)

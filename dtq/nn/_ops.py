@@ -25,11 +25,12 @@ from dtq.tensor import QuantizedTensor, _implements
 def _unaliased(flat: list, inputs: tuple) -> list:
     """Custom-op outputs may not alias inputs (or each other): a saved operand that is an input or
     a view of one (the high-precision input of ``backward_override="high_precision"``, a
-    passthrough payload) is copied."""
+    passthrough payload) is copied; and they are contiguous, as the fake implementation says."""
     out, seen = [], []
     for t in flat:
         if any(i is not None and torch._C._is_alias_of(t, i) for i in (*inputs, *seen)):
-            t = t.clone()
+            t = t.clone(memory_format=torch.contiguous_format)
+        t = t.contiguous()  # the fake payloads are contiguous
         seen.append(t)
         out.append(t)
     return out
@@ -140,7 +141,8 @@ def linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], weight: torch.T
         saved_w = live if isinstance(live, QuantizedTensor) else w
     call = GemmCall(slots, need_dgrad, need_wgrad, amax_sync=slots.state.amax_sync)
     grads = lf.linear_backward(call, dy, saved_x, saved_w, torch.Size(x_shape), x_dtype, w.dtype, need_bgrad)
-    return [g for g in grads if g is not None]
+    # contiguous, as the fake says (a GEMM may hand dW over transposed)
+    return [g.contiguous() for g in grads if g is not None]
 
 
 @linear_backward.register_fake
