@@ -119,7 +119,7 @@ class TrainConfig:
     backward_override: str | None = None
     quantized_params: bool = False
     recompute: bool = False
-    compile: bool = False  # torch.compile each block (dtq's GEMMs stay eager graph breaks)
+    compile: bool = False  # torch.compile each block (dtq's GEMMs are custom ops inside its graph)
     offload: str = "none"
     dtype: str = "float32"  # parameter / compute dtype (FSDP2 MixedPrecisionPolicy param_dtype)
     device: str = "auto"
