@@ -199,10 +199,15 @@ def _col_major(op: Operand) -> torch.Tensor:
     return d.contiguous().t() if op.transpose else kernels.transposed(d).t()
 
 
+def _scalar_fp32(s: torch.Tensor) -> torch.Tensor:
+    """A per-tensor scale as the 0-dim fp32 tensor scaled GEMMs take (as stored, usually: no op)."""
+    return s if s.dim() == 0 and s.dtype == torch.float32 else s.reshape(()).float()
+
+
 def _fp8_tensorwise(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
     da, db = _row_major(a), _col_major(b)
-    return torch._scaled_mm(da, db, scale_a=a.payload["scale_inv"].reshape(()).float(),
-                            scale_b=b.payload["scale_inv"].reshape(()).float(), out_dtype=out_dtype)
+    return torch._scaled_mm(da, db, scale_a=_scalar_fp32(a.payload["scale_inv"]),
+                            scale_b=_scalar_fp32(b.payload["scale_inv"]), out_dtype=out_dtype)
 
 
 def _row_scales(op: Operand, is_b: bool) -> bool:

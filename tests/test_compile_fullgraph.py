@@ -291,3 +291,16 @@ def test_recipe_that_hides_its_name_dependence_is_refused():
         torch.compile(a, backend="aot_eager", fullgraph=True)(x)
         with pytest.raises(RuntimeError, match="name_dependent"):
             torch.compile(b, backend="aot_eager", fullgraph=True)(x)
+
+
+def test_quantized_weight_without_a_recipe_runs_eagerly_inside_a_compiled_model():
+    """A quantized weight used in high precision (no dtq.autocast) is a graph break, not an error:
+    the compiled model still gives the eager bits."""
+    r = dtq.Float8CurrentScaling()
+    eager, model = _make("converted_relu_block_quantized_params", r), _make("converted_relu_block_quantized_params", r)
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(2, 16, H)
+    assert torch.equal(compiled(x), eager(x))
+    torch._dynamo.reset()  # else the cached graphs (with their break) serve the next compile
+    with pytest.raises(Exception, match="torch.compiler.disable"):
+        torch.compile(model, backend="aot_eager", fullgraph=True)(x)

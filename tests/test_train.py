@@ -102,8 +102,9 @@ def test_resume_with_quantized_params_and_recompute_continues_bitwise(tmp_path):
 @pytest.mark.parametrize("layout", [[], ["--set", "parallel.tp=2", "--set", "parallel.sequence_parallel=true"]],
                          ids=["fsdp", "tp_sp"])
 def test_compiled_blocks_train_like_eager(tmp_path, layout):
-    """``train.compile``: every block torch.compiled before FSDP2 (dtq's GEMMs run eagerly as graph
-    breaks). Inductor's fused norms, attention and activations differ from eager by fp32
+    """``train.compile``: every block torch.compiled before FSDP2 (dtq's GEMMs are custom ops in the
+    blocks' graphs; tensor-parallel ones run eagerly as graph breaks). Inductor's fused norms,
+    attention and activations differ from eager by fp32
     rounding, so the losses agree to ~1e-4 relative (measured), not bitwise."""
     args = [*TINY, "--steps", "2", *layout]
     eager = _torchrun(*args, "--out-dir", str(tmp_path / "eager"))

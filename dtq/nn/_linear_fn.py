@@ -165,7 +165,9 @@ def unflatten_saved(flat, specs) -> list:
 
 
 def _keep(t: torch.Tensor, direction: str) -> torch.Tensor:
-    return t.with_directions(direction) if isinstance(t, QuantizedTensor) and t.has(direction) else t
+    if not isinstance(t, QuantizedTensor) or not t.has(direction) or t.directions == (direction,):
+        return t
+    return t.with_directions(direction)
 
 
 def _hp(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -206,10 +206,9 @@ class QuantizedModule(torch.nn.Module):
             if recipe is None and spec is None and not isinstance(weight, QuantizedTensor):
                 state.recipe = None
                 return self._high_precision_linear(x, weight, bias, None, None)
-            return self._linear_eager(x, weight, bias, gemm, x_amax, None)
+            return torch.compiler.disable(self._linear_eager)(x, weight, bias, gemm, x_amax, None)  # graph break
         return self._linear_eager(x, weight, bias, gemm, x_amax, link)
 
-    @torch.compiler.disable
     def _linear_eager(self, x, weight, bias, gemm, x_amax, link) -> torch.Tensor:
         spec = self._dtq_tp.get(gemm) if self._dtq_tp else None
         group = self._dtq_tp_mesh.get_group() if spec is not None else None
