@@ -192,10 +192,10 @@ def _fsdp_matrix(rank, world):
 
     mesh = init_device_mesh("cpu", (world,))
     x = torch.randn(2, 16, H, generator=torch.Generator().manual_seed(30 + rank))
-    for recipe_name in ("fp8", "fp8_delayed", "mxfp8", "nvfp4", "hybrid_mxfp8_nvfp4", "fp8_dequantized_bwd"):
-        for quantized_params in (False, True):
+    for recipe_name in ("none", "fp8", "fp8_delayed", "mxfp8", "nvfp4", "hybrid_mxfp8_nvfp4", "fp8_dequantized_bwd"):
+        for quantized_params in (False, True) if recipe_name != "none" else (False,):
             for reshard in (True, False):
-                r = ALL[recipe_name]()
+                r = ALL[recipe_name]() if recipe_name != "none" else None  # none: identity-format gathers
 
                 def sharded(compiled: bool):
                     torch.manual_seed(0)
@@ -216,7 +216,8 @@ def _fsdp_matrix(rank, world):
                     losses[compiled] = []
                     for step in range(2):  # the second step runs on updated weights (new scales)
                         torch.manual_seed(40 + step)
-                        with dtq.autocast(r, amax_group=dist.group.WORLD if r.delayed else None):
+                        with dtq.autocast(r, enabled=r is not None,
+                                          amax_group=dist.group.WORLD if r is not None and r.delayed else None):
                             y = model(x)
                         loss = y.float().square().mean()
                         loss.backward()
@@ -293,14 +294,24 @@ def test_recipe_that_hides_its_name_dependence_is_refused():
             torch.compile(b, backend="aot_eager", fullgraph=True)(x)
 
 
-def test_quantized_weight_without_a_recipe_runs_eagerly_inside_a_compiled_model():
-    """A quantized weight used in high precision (no dtq.autocast) is a graph break, not an error:
-    the compiled model still gives the eager bits."""
+def test_quantized_weight_without_a_recipe_compiles():
+    """A quantized weight used in high precision (no dtq.autocast; FSDP2's gathers without a recipe
+    are identity-format QuantizedTensors) dequantizes through a custom op: no graph break, the
+    eager bits, and the gradient reaches the quantized parameter."""
     r = dtq.Float8CurrentScaling()
     eager, model = _make("converted_relu_block_quantized_params", r), _make("converted_relu_block_quantized_params", r)
-    compiled = torch.compile(model, backend="aot_eager")
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     x = torch.randn(2, 16, H)
-    assert torch.equal(compiled(x), eager(x))
-    torch._dynamo.reset()  # else the cached graphs (with their break) serve the next compile
-    with pytest.raises(Exception, match="torch.compiler.disable"):
-        torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+
+    def step(m):  # outside dtq.autocast: high precision
+        xg = x.clone().requires_grad_()
+        y = m(xg)
+        y.square().sum().backward()
+        out = [y.detach(), xg.grad, *(p.grad for p in m.parameters())]
+        m.zero_grad(set_to_none=True)
+        return out
+
+    got, want = step(compiled), step(eager)
+    assert len(got) == len(want) and all(g is not None for g in got)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert isinstance(model.qkv.weight, dtq.QuantizedTensor)

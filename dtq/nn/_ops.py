@@ -179,13 +179,40 @@ def _backward(ctx, grads):
 linear.register_autograd(_backward, setup_context=_setup_context)
 
 
-@_implements([torch.ops.dtq.linear.default, torch.ops.dtq.linear_backward.default])
+@torch.library.custom_op("dtq::dequantize_weight", mutates_args=())
+def dequantize_weight(weight: torch.Tensor, w_fields: list[torch.Tensor], wkey: int, dtype: torch.dtype) -> torch.Tensor:
+    """A quantized weight in high precision (a GEMM outside dtq.autocast), as eager's
+    ``DequantizeWeight`` computes it; its gradient passes to the parameter unchanged."""
+    out = _weight(weight, w_fields, wkey).dequantize(dtype)
+    return out.clone() if any(torch._C._is_alias_of(out, f) for f in w_fields) else out
+
+
+@dequantize_weight.register_fake
+def _dequantize_weight_fake(weight, w_fields, wkey, dtype):
+    return torch.empty(_weight(weight, w_fields, wkey).shape, dtype=dtype, device=w_fields[0].device)
+
+
+def _dequantize_setup(ctx, inputs, output):
+    pass
+
+
+def _dequantize_grad(ctx, grad):
+    return grad, [], None, None
+
+
+dequantize_weight.register_autograd(_dequantize_grad, setup_context=_dequantize_setup)
+
+_WEIGHT_ARG = {torch.ops.dtq.linear.default: 1, torch.ops.dtq.linear_backward.default: 2,
+               torch.ops.dtq.dequantize_weight.default: 0}
+
+
+@_implements(list(_WEIGHT_ARG))
 def _quantized_weight(func, args, kwargs):
     """A quantized weight parameter reaches the ops through QuantizedTensor's dispatch (below
     autograd, which keeps the parameter itself for its gradient): it continues as its payload
     tensors, which is also what a compiled graph holds of it."""
     args = list(args)
-    i = 1 if func is torch.ops.dtq.linear.default else 2
+    i = _WEIGHT_ARG[func]
     weight = args[i]
     if not isinstance(weight, QuantizedTensor) or args[i + 2] != 0:
         return NotImplemented

@@ -176,9 +176,8 @@ class QuantizedModule(torch.nn.Module):
         the next op's backward sets to max|dy|. Both only spare current scaling an amax pass.
 
         Under ``torch.compile`` this traces without a graph break: the GEMM is the custom op
-        ``dtq::linear`` (``dtq.nn._ops``), which runs the eager code. Tensor-parallel GEMMs and
-        high-precision use of quantized weights (no recipe) still run eagerly there, as a graph
-        break."""
+        ``dtq::linear`` (``dtq.nn._ops``), which runs the eager code. Tensor-parallel GEMMs still
+        run eagerly there, as a graph break."""
         spec = self._dtq_tp.get(gemm) if self._dtq_tp else None  # set by dtq.parallel's TP styles
         in_features = _local_weight(weight).shape[-1]
         if x.shape[-1] != in_features:
@@ -203,8 +202,10 @@ class QuantizedModule(torch.nn.Module):
                 outs = _ops.linear(x, weight, [], 0, bias, x_amax, self._gemm_handle, key, grad and x.requires_grad,
                                    grad and weight.requires_grad, no_grad_trainable, recompute_only)
                 return outs[0]
-            if recipe is None and spec is None and not isinstance(weight, QuantizedTensor):
+            if recipe is None and spec is None:
                 state.recipe = None
+                if isinstance(weight, QuantizedTensor):  # e.g. FSDP2's gather without a recipe (identity)
+                    weight = _ops.dequantize_weight(weight, [], 0, x.dtype)
                 return self._high_precision_linear(x, weight, bias, None, None)
             return torch.compiler.disable(self._linear_eager)(x, weight, bias, gemm, x_amax, None)  # graph break
         return self._linear_eager(x, weight, bias, gemm, x_amax, link)
