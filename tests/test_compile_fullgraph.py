@@ -53,7 +53,20 @@ MODULES = {
     "layernorm_linear": lambda: dtq.nn.LayerNormLinear(H, 2 * H),
     "layernorm_mlp_gelu": lambda: dtq.nn.LayerNormMLP(H, 2 * H),
     "layernorm_mlp_swiglu": lambda: dtq.nn.LayerNormMLP(H, 2 * H, activation="swiglu"),
+    "grouped_linear": lambda: _Grouped(),
 }
+
+
+class _Grouped(torch.nn.Module):
+    """dtq.nn.GroupedLinear with fixed splits (its forward takes them as an argument)."""
+
+    def __init__(self):
+        super().__init__()
+        self.g = dtq.nn.GroupedLinear(2, H, H)
+
+    def forward(self, x):
+        rows = x.reshape(-1, H)
+        return self.g(torch.cat([rows, rows * 0.5]), [rows.shape[0]] * 2)  # 32 rows per GEMM (MX blocks)
 
 
 def _make(module: str, recipe):
