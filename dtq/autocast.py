@@ -7,7 +7,7 @@ import contextlib
 import threading
 from typing import TYPE_CHECKING, Iterator
 
-from dtq.recipe import Float8CurrentScaling, Recipe
+from dtq.recipe import Float8CurrentScaling, Recipe, recipe_key
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -48,7 +48,11 @@ def autocast(recipe: Recipe | None = None, enabled: bool = True, *,
         sync = AmaxSync(amax_group)
     else:
         sync = stack[-1][1] if stack else None
-    stack.append(((recipe or Float8CurrentScaling()) if enabled else None, sync))
+    if recipe is None and enabled:
+        recipe = Float8CurrentScaling()
+    if recipe is not None:
+        recipe_key(recipe)  # in eager code: compiled graphs read recipe.key without side effects
+    stack.append((recipe if enabled else None, sync))
     try:
         yield
     finally:

@@ -8,8 +8,6 @@ the built-in recipes are factory presets of the same mechanism.
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import weakref
 from typing import Callable, ClassVar
 
 import torch
@@ -34,8 +32,22 @@ class QuantizerRole:
     name: str = ""
 
 
-_recipe_keys = itertools.count(1)
-_RECIPES: "weakref.WeakValueDictionary[int, Recipe]" = weakref.WeakValueDictionary()
+_KEYS: "dict[Recipe, int]" = {}  # equal recipes share a key (recipes are frozen and compare by value)
+_RECIPES: "dict[int, Recipe]" = {}
+
+
+def _intern(recipe: "Recipe") -> None:
+    try:
+        key = _KEYS.setdefault(recipe, len(_KEYS) + 1)
+    except TypeError:  # an unhashable setting (a CustomRecipe factory that is not hashable): its own key
+        key = -(len(_RECIPES) + 1)
+    _RECIPES.setdefault(key, recipe)
+    object.__setattr__(recipe, "_key", key)
+
+
+def recipe_key(recipe: "Recipe") -> int:
+    """The recipe's key (see ``Recipe.key``), taken now."""
+    return recipe.key
 
 
 def recipe_by_key(key: int) -> "Recipe":
@@ -54,9 +66,6 @@ class Recipe:
     name_dependent: ClassVar[bool] = False
 
     def __post_init__(self):
-        # A number naming the recipe to compiled graphs (an int is a graph constant; the object is not).
-        object.__setattr__(self, "_key", next(_recipe_keys))
-        _RECIPES[self._key] = self
         if self.backward_override not in BACKWARD_OVERRIDES:
             raise ValueError(f"{type(self).__name__}: backward_override={self.backward_override!r} is not one of "
                              f"{BACKWARD_OVERRIDES}")
@@ -67,8 +76,16 @@ class Recipe:
     def __setstate__(self, state: dict) -> None:  # pickle / deepcopy: a key of this process
         for k, v in state.items():
             object.__setattr__(self, k, v)
-        object.__setattr__(self, "_key", next(_recipe_keys))
-        _RECIPES[self._key] = self
+        _intern(self)
+
+    @property
+    def key(self) -> int:
+        """A number naming this recipe's value to compiled graphs (an int is a graph constant, the
+        object is not; equal recipes, e.g. one made anew each step, share it). Taken when
+        ``dtq.autocast`` enters, outside compiled code."""
+        if "_key" not in self.__dict__:
+            _intern(self)
+        return self._key
 
     def qfactory(self, role: QuantizerRole) -> Quantizer | None:
         raise NotImplementedError

@@ -328,3 +328,22 @@ def test_quantized_weight_without_a_recipe_compiles():
     assert len(got) == len(want) and all(g is not None for g in got)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert isinstance(model.qkv.weight, dtq.QuantizedTensor)
+
+
+def test_a_recipe_made_anew_each_step_compiles_once():
+    """Equal recipes share their key (recipes compare by value): ``dtq.autocast()`` (a new default
+    recipe at every entry) or a recipe built inside the loop does not recompile every step."""
+    torch._dynamo.utils.counters.clear()
+    m = dtq.nn.Linear(H, H)
+    c = torch.compile(m, backend="aot_eager", fullgraph=True)  # a recompile past the limit would raise
+    x = torch.randn(32, H)
+    for _ in range(10):
+        with dtq.autocast():
+            c(x)
+        with dtq.autocast(dtq.MXFP8BlockScaling()):
+            c(x)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    import pickle
+
+    r = dtq.DelayedScaling(margin=1)
+    assert pickle.loads(pickle.dumps(r)).key == r.key != dtq.DelayedScaling().key

@@ -197,7 +197,7 @@ class QuantizedModule(torch.nn.Module):
             if recipe is not None and spec is None:
                 # The slots as a template (constant) and the module as an opaque input: modules
                 # of one structure share the graph (unless the recipe's quantizers use names).
-                key = template_key(recipe._key, self.module_type, self.name if recipe.name_dependent else "",
+                key = template_key(recipe.key, self.module_type, self.name if recipe.name_dependent else "",
                                    self.gemm_suffixes()[gemm], gemm)
                 outs = _ops.linear(x, weight, [], 0, bias, x_amax, self._gemm_handle, key, grad and x.requires_grad,
                                    grad and weight.requires_grad, no_grad_trainable, recompute_only)
