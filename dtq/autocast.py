@@ -76,6 +76,8 @@ def active_amax_sync() -> AmaxSync | None:
 @contextlib.contextmanager
 def restore(recipe: Recipe | None) -> Iterator[None]:
     """Re-enter a recipe captured earlier (None: disabled), e.g. for a recompute in backward."""
+    if recipe is not None:
+        recipe_key(recipe)
     _stack().append((recipe, None))
     try:
         yield
