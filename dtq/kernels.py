@@ -28,6 +28,8 @@ import torch
 # (block (1, 0)) or whole column ((0, 1)), from an amax vector computed before the launch.
 NONE, FP8_SCALED, MXFP8, NVFP4, IDENTITY, FP8_ROW = 0, 1, 2, 3, 4, 5
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+E4M3_MAX_CODE = 0x7E  # the E4M3 byte of 448
+_CONFIG_LEN = 14  # ints per slot config (csrc/quantize.cu make_cfg)
 INPUT_DTYPES = tuple(_DTYPE_CODE)
 
 # The repository's csrc/ (a checkout or an editable install), else the copy a wheel carries.
@@ -53,7 +55,11 @@ class KernelSpec:
     spans that whole dim (FP8_ROW: ``(1, 0)`` one scale per row, ``(0, 1)`` one per column).
     ``hadamard_signs``: for NVFP4 columnwise with the random Hadamard, bit j set iff sign j is -1.
     ``amax_vector``: ``"rows"`` / ``"cols"`` where the kernel reads one amax per row ([M]) / per
-    column ([K]) that the caller computes (``axis_amax``) or was given.
+    column ([K]) that the caller computes (``axis_amax``, or the codec's ``local_amax`` in the
+    Hadamard space) or was given.
+    NVFP4 options: ``row_scaled`` (S_enc per row / column from that vector, which the kernel also
+    stores as the ``amax`` field), ``four_over_six`` (0 off, 1 "mae", 2 "mse"), ``e4m3_max`` (the
+    E4M3 byte of the bound in S_enc; 0x7E is 448).
     """
 
     kind: int
@@ -67,12 +73,15 @@ class KernelSpec:
     hadamard_signs: int | None = None
     out_dtype: torch.dtype | None = None
     amax_vector: str | None = None
+    row_scaled: bool = False
+    four_over_six: int = 0
+    e4m3_max: int = E4M3_MAX_CODE
 
     @functools.cached_property
     def _config(self) -> tuple[int, ...]:  # asked at every launch: computed once per spec
         return (self.kind, self.block[0], self.block[1], int(self.e5m2), int(self.pow2), int(self.floor),
                 int(self.stochastic), self.stream, int(self.hadamard_signs is not None), self.hadamard_signs or 0,
-                _DTYPE_CODE.get(self.out_dtype, 0))
+                _DTYPE_CODE.get(self.out_dtype, 0), int(self.row_scaled), self.four_over_six, self.e4m3_max)
 
     def config(self) -> list[int]:
         return list(self._config)
@@ -198,10 +207,11 @@ def axis_amax(x: torch.Tensor, rows: bool, cols: bool) -> tuple[torch.Tensor | N
 
 
 def quantize(x: torch.Tensor, specs: dict[str, KernelSpec], amaxes: dict[str, torch.Tensor],
-             seed: torch.Tensor | None) -> dict[str, dict[str, torch.Tensor]]:
+             seed: torch.Tensor | None) -> dict[str, dict[str, torch.Tensor]] | None:
     """Payloads of up to two directions of the contiguous [M, K] CUDA tensor ``x``, one read.
     ``amaxes[d]``: fp32 CUDA tensor for directions whose kernel reads an amax: 0-dim (a tensor
-    amax), or contiguous [M] / [K] (``spec.amax_vector``)."""
+    amax), or contiguous [M] / [K] (``spec.amax_vector``). None (nothing launched) where only the
+    generic kernel would apply and it lacks an option (NVFP4 ``four_over_six`` with 16x16 blocks)."""
     if len(specs) > 2:
         raise ValueError("the fused kernel writes at most two directions")
     dirs = list(specs)
@@ -219,8 +229,9 @@ def quantize(x: torch.Tensor, specs: dict[str, KernelSpec], amaxes: dict[str, to
             payloads[d] = {name: t for (name, _, _), t in zip(spec.fields, outs)}
             args += [spec.config(), outs, amaxes.get(d)]
         else:
-            args += [[NONE] + [0] * 10, [], None]
-    extension().quantize_fused(x, *args[0:3], *args[3:6], seed)
+            args += [[NONE] + [0] * (_CONFIG_LEN - 1), [], None]
+    if not extension().quantize_fused(x, *args[0:3], *args[3:6], seed):
+        return None
     return payloads
 
 
@@ -238,10 +249,10 @@ def dequantize(spec: KernelSpec, payload: dict[str, torch.Tensor], shape: tuple[
     names = [n for n, _, _ in spec.fields]
     per_tensor = spec.kind == NVFP4 or spec.block == (0, 0)
     scale = None if spec.block == (0, 0) else payload[names[1]]
-    tensor = payload[names[-1]].to(device=data.device, dtype=torch.float32) if per_tensor else None
+    tensor = payload[names[-1]].to(device=data.device, dtype=torch.float32).contiguous() if per_tensor else None
     out = torch.empty(shape, dtype=dtype, device=data.device)
     cfg = [spec.kind, spec.block[0], spec.block[1], int(spec.e5m2), int(spec.hadamard_signs is not None),
-           spec.hadamard_signs or 0, int(factored)]
+           spec.hadamard_signs or 0, int(factored), int(spec.row_scaled), spec.e4m3_max]
     extension().dequantize(data.contiguous().view(torch.uint8),
                            None if scale is None else scale.contiguous(), tensor, cfg, out)
     return out

@@ -78,6 +78,13 @@ class Codec:
         return x.abs().amax().to(torch.float32) if x.numel() else torch.zeros((), device=x.device)
 
     @classmethod
+    def scales_from_block_amax(cls, q, direction: str) -> bool:
+        """Whether each block scale is a function of the block's amax (and the tensor-wide, row or
+        column amax) alone: a flat-slice master cast fills the elements it does not own with their
+        block amax and relies on this."""
+        return True
+
+    @classmethod
     def column_shardable(cls, q, direction: str) -> bool:
         """Whether a shard of the last dim (a row-parallel weight under tensor parallelism) can hold
         this direction as the slice of the whole tensor's payload."""
@@ -102,8 +109,10 @@ class Codec:
     @classmethod
     def dequantize_factored(cls, q, payload: Payload, direction: str, shape: tuple[int, int],
                             dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(values, factor)`` with ``values * factor ~= dequantize(...)``: the per-tensor factor is
-        split off so an emulated GEMM applies it after the product, as native scaled GEMMs do.
+        """``(values, factor)`` with ``values * factor ~= dequantize(...)``: the per-tensor factor
+        (0-dim; or [M, 1] / [1, K] per row / column, constant along the direction's blocks, so along
+        the GEMM's output dims) is split off so an emulated GEMM applies it after the product, as
+        native scaled GEMMs do.
         ``values`` come in ``dtype`` (a kernel writes them directly where it can); GEMMs only read
         them, and a passthrough format may hand out its stored tensor."""
         out = cls.kernel_dequantize(q, payload, direction, shape, dtype=dtype)
@@ -439,13 +448,23 @@ def _kernel_payloads(q: Quantizer, plan: _Plan, xc: torch.Tensor, given: dict[st
         ax, ah = kernels.amax(xc, want_x, next(iter(signs)) if signs else None)
         for d in todo:
             amaxes[d] = ah if specs[d].amax_space == "hadamard" else ax
-    missing = {v for d, v in vectors.items() if d not in given}
+    for d in [d for d in vectors if d not in given and specs[d].amax_space == "hadamard"]:
+        amaxes[d] = codec_for(plan.subs[d]).local_amax(plan.subs[d], xc, d)  # per column of T x: the reference's ops
+    missing = {v for d, v in vectors.items() if d not in amaxes}
     if missing:  # one read for every per-row / per-column amax not given
         rows, cols = kernels.axis_amax(xc, "rows" in missing, "cols" in missing)
-        amaxes.update({d: rows if v == "rows" else cols for d, v in vectors.items() if d not in given})
+        amaxes.update({d: rows if v == "rows" else cols for d, v in vectors.items() if d not in amaxes})
     for d in vectors:
         amaxes[d] = amaxes[d].reshape(-1).contiguous()
-    return kernels.quantize(xc, specs, amaxes, seed)
+    out = kernels.quantize(xc, specs, amaxes, seed)
+    if out is None:
+        from dtq.tensor import warn_once
+
+        warn_once(f"generic-kernel {q!r}", f"{q!r}: the generic quantize kernel (this slot pair has no specialised "
+                  "kernel, or the input is not 16-byte aligned) lacks an option of this quantizer; the PyTorch "
+                  "reference runs instead (same bits, slower)")
+        return {}
+    return out
 
 
 def shape_error(q: Quantizer, shape: tuple[int, int], direction: str, requirement: str) -> ValueError:
