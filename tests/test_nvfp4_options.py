@@ -8,6 +8,7 @@ reference bit for bit (every option, alone and with stochastic rounding, the ran
 from __future__ import annotations
 
 import itertools
+import pickle
 
 import pytest
 import torch
@@ -357,6 +358,39 @@ def _check_distributed(rank, world):
 
 def test_fsdp2_and_sequence_parallel_equal_single_process():
     spawn(_check_distributed, 2, backend="gloo")
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_quantizer_and_tensor_serialization_round_trip(name, tmp_path):
+    """Quantizers travel by pickle (module extra state in DCP, torch.save): each option survives it
+    with its equality and checkpoint tag, and a QuantizedTensor through torch.save / torch.load
+    (weights_only=True, dtq's safe globals) keeps its payload bits."""
+    q = OPTIONS[name]
+    back = pickle.loads(pickle.dumps(q))
+    assert back == q and hash(back) == hash(q) and format_tag(back) == format_tag(q)
+    t = q.quantize(_data(32, 64, seed=13), seed=3)
+    torch.save(t, tmp_path / "t.pt")
+    u = torch.load(tmp_path / "t.pt", weights_only=True)
+    assert u.quantizer == q and u.directions == t.directions
+    for d in t.directions:
+        assert_payload_equal(u.payload(d), t.payload(d), f"{name} {d}")
+
+
+def test_dcp_round_trip_of_quantized_parameters(tmp_path):
+    """dcp.save / dcp.load of a model whose quantized parameters carry the options (row-scaled
+    [M, 1] / [1, K] amax fields, 4/6 scales): a fresh model loads them bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    import test_checkpoint as tc
+
+    recipe = dtq.CustomRecipe(_options_recipe)
+    a = tc._model(0, True, recipe=recipe)
+    assert any(".amax" in k for k in a.state_dict())
+    dcp.save(a.state_dict(), checkpoint_id=str(tmp_path / "dcp"))
+    b = tc._model(1, True, recipe=recipe)
+    sd = b.state_dict()
+    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"))
+    b.load_state_dict(sd)
+    tc._same_weights(a, b)
 
 
 # =================================================================================================
