@@ -8,6 +8,7 @@ name a recipe object directly).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from typing import Callable
 
@@ -29,6 +30,8 @@ RECIPES: dict[str, Callable[[], dtq.Recipe | None]] = {
     "hybrid-fp8-nvfp4": lambda: dtq.hybrid_recipe(dtq.Float8CurrentScaling(), dtq.NVFP4BlockScaling()),
     # MXFP8 forward, FP8 1x128 / 128x128 blocks backward.
     "hybrid-mxfp8-fp8block": lambda: dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.Float8BlockScaling()),
+    # dtq.recipes' named factories (docs/recipes.md), e.g. "mxfp8_fwd_nvfp4_bwd"
+    **{name: functools.partial(dtq.CustomRecipe, f) for name, f in dtq.recipes.FACTORIES.items()},
 }
 
 
