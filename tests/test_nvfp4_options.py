@@ -7,6 +7,7 @@ reference bit for bit (every option, alone and with stochastic rounding, the ran
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import pickle
 
@@ -172,6 +173,52 @@ def test_four_over_six_golden():
         xt[:4, 0] = _fp32(4.0, 3.0, 2.0, 1.0)
         t = q.quantize(xt, rowwise=False, amax=S1)
         assert t.payload("columnwise")["scale"].float()[0, 0].item() == 1.0 and torch.equal(t.dequantize(), xt)
+
+
+def _pinned_input():
+    """[64, 128] values exact on every platform (integer mantissas times powers of two; rows span
+    2^-6..2^6), so payload digests mean the same bits everywhere."""
+    i = torch.arange(64 * 128, dtype=torch.int64)
+    mant = ((i * 2654435761) % 2**24) - 2**23
+    exp = ((i // 128) * 7 % 13) - 6
+    return torch.ldexp(mant.to(torch.float32), (exp - 23).to(torch.float32)).reshape(64, 128)
+
+
+def _digest(t) -> str:
+    h = hashlib.sha1()
+    for d in t.directions:
+        for k, v in sorted(t.payload(d).items()):
+            h.update(d.encode() + k.encode() + v.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:12]
+
+
+# sha1 of every payload field's bytes (both directions, seed 77) of _pinned_input(): the bits of
+# docs/formats.md's definitions as the reference computes them on this commit. A change here is a
+# change of the format (and of checkpoints written with it), never an incidental refactor.
+PINNED = {
+    "row_scaled": "25cd39282ea8",
+    "fos_mae": "cf6c786f089f",
+    "fos_mse_e4m3_256": "6e978564b87a",
+    "e4m3_320": "dae34bcde303",
+    "row_scaled_fos_sr": "2e20dcbe82fd",
+    "row_scaled_rht_fos": "36b9126a1aeb",
+    "rht_fos_mse_sr": "d6bbeebc28cc",
+    "rht_no_sign_mask": "c7b12c28fb37",
+    "16x16_fos": "7d9ed2480fb8",
+    "16x16_fos_mse_sr": "31a92a3e4426",
+    "mxfp8/nvfp4_row_scaled_fos": "3316e92f1dfa",
+    "nvfp4_row_scaled/mxfp8": "9c65a2076a3a",
+    "nvfp4_row_scaled/identity": "d0362f0a0539",
+    "mxfp8/nvfp4_16x16_fos": "fbce384a6955",
+    "fp8_row/nvfp4_fos": "c6b6625848b6",
+}
+
+
+def test_payload_digests_pin_the_bits():
+    x = _pinned_input()
+    got = {name: _digest(q.quantize(x, seed=77)) for name, q in {**OPTIONS, **HYBRIDS}.items()}
+    assert got == PINNED
+    assert len(set(got.values()) | {_digest(NV().quantize(x)), _digest(NV((16, 16)).quantize(x))}) == len(got) + 2
 
 
 def test_hadamard_sign_mask_seed():
