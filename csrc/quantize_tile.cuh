@@ -86,7 +86,7 @@ using NvHo = Slot<kNVFP4, 16, 1, true, true>;
   X(MxR, NvH) X(Fp8R, Fp8B) X(MxR, NvB) X(Fp8T, MxC) X(Fp8R, NvB) X(Id, NvC) X(NvR, Id) X(Fp8B, Id)     \
   X(NvR, MxC) X(MxR, Fp8C) X(Fp8RowR, None) X(Fp8RowC, None) X(Fp8RowR, Fp8RowC)                       \
   X(NvRo, None) X(NvCo, None) X(NvBo, None) X(NvHo, None) X(NvRo, NvCo) X(NvRo, NvHo) X(NvRo, MxC)      \
-  X(NvRo, Id) X(MxR, NvBo) X(MxR, NvHo)
+  X(NvRo, Id) X(MxR, NvBo) X(MxR, NvHo) X(MxR, NvC) X(MxR, Id) X(Id, MxC)
 
 // ------------------------------------------------------------------------------------------
 // Element access of one thread's 8 x 8 sub-tile, kept as the raw 16-byte vectors.
