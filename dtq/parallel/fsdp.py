@@ -20,6 +20,7 @@ forward gather moves both once. The module tells which recipe and backward overr
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch
 from torch.utils._pytree import tree_map
@@ -197,7 +198,7 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
-def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, rank, fallback: bool = False):
+def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, fallback: bool = False):
     aliases = quantizer.aliases(tuple(dirs))
     moved = tuple(d for d in dirs if d not in aliases)
     inputs, layout, shared = _split(quantizer, payloads, moved)
@@ -375,10 +376,14 @@ class HighPrecisionWeight(torch.Tensor):
             if slot.history is not None:
                 amax = _delayed_weight_amax(ctx, slot, amax)
             payloads = quantize_payloads(quantizer, shard, dirs, amax=amax)
-        return _finish(ctx, quantizer, dirs, payloads, outer_size, world, mesh.get_local_rank(), fallback)
+        return _finish(ctx, quantizer, dirs, payloads, outer_size, world, fallback)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         return post_all_gather(all_gather_outputs, metadata, param_dtype, out)
+
+
+# FSDP2 reads the hook's signature on every gather: precomputed, as for QuantizedTensor's.
+HighPrecisionWeight.fsdp_pre_all_gather.__signature__ = inspect.signature(HighPrecisionWeight.fsdp_pre_all_gather)
 
 
 def _delayed_weight_amax(ctx: GatherContext, slot, amax: dict) -> torch.Tensor:
@@ -468,5 +473,4 @@ def quantized_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stri
     world = mesh.size()
     dirs = _needed_directions(ctx, module, self._quantizer, self.directions)
     _check_alignment(ctx, self._quantizer, dirs, outer_size, world)
-    return _finish(ctx, self._quantizer, dirs, {d: self._payloads[d] for d in dirs}, outer_size, world,
-                   mesh.get_local_rank())
+    return _finish(ctx, self._quantizer, dirs, {d: self._payloads[d] for d in dirs}, outer_size, world)
