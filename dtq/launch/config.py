@@ -127,12 +127,15 @@ class TrainConfig:
     eval_every: int = 0  # 0: evaluate once, at the end
     eval_batches: int = 4
     checkpoint_every: int = 0  # 0: only at the end
+    keep_checkpoints: int = 0  # keep the newest k checkpoints, delete older ones; 0: keep all
     out_dir: str = "runs/tiny"
+    progress_bar: bool = True  # a progress bar on rank 0 when stderr is an interactive terminal (tqdm)
 
     def __post_init__(self):
         _positive("train", steps=self.steps, batch_size=self.batch_size, lr=self.lr, log_every=self.log_every,
                   eval_batches=self.eval_batches)
-        for name in ("warmup_steps", "eval_every", "checkpoint_every", "weight_decay", "grad_clip", "seed"):
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "keep_checkpoints", "weight_decay", "grad_clip",
+                     "seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"config: train.{name} = {getattr(self, name)} must be >= 0")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -143,7 +146,7 @@ class TrainConfig:
         if self.backward_override == "none":  # TOML has no null: "none" spells the default
             object.__setattr__(self, "backward_override", None)
         _choice("train", "backward_override", self.backward_override, (None, "high_precision", "dequantized"))
-        from launch.recipes import check_recipe_name
+        from dtq.launch.recipes import check_recipe_name
 
         check_recipe_name(self.recipe)
         if self.quantized_params and self.recipe == "bf16":
