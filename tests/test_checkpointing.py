@@ -59,10 +59,22 @@ def test_fresh_run_into_an_out_dir_with_checkpoints_is_refused_and_overwrite_sta
     assert len(_records(tmp_path, "config")) == 1
 
 
+def test_a_bad_override_under_torchrun_is_one_line_from_rank_0(tmp_path):
+    """A typed-override mistake is caught before any process group exists: rank 0 alone prints it,
+    as one line naming the key, and no rank prints a traceback."""
+    proc = _torchrun_proc(*ONE_STEP, "--out-dir", str(tmp_path), "--set", "train.recompute=maybe")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    lines = [line for line in out.splitlines() if "config:" in line]
+    assert lines == ["error: config: train.recompute = 'maybe': Input should be a valid boolean, unable to interpret "
+                     "input"], out[-3000:]
+    assert "dtq/launch/" not in out and "ValidationError" not in out, out[-3000:]
+
+
 def test_resume_with_overwrite_and_bad_configs_are_one_line_errors(capsys):
     for argv, message in [
         (["--resume", "--overwrite"], "error: config: --resume continues the run"),
-        (["--set", "train.steps=0"], "error: config: train.steps = 0 must be > 0"),
+        (["--set", "train.steps=0"], "error: config: train.steps = 0: Input should be greater than 0"),
     ]:
         with pytest.raises(SystemExit) as e:
             train_mod.main(argv)

@@ -324,15 +324,12 @@ def _is_first_rank(launcher: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """The command line. A config mistake (any error of the config file or an override, or a
-    :class:`~dtq.launch.config.ConfigError`, which every rank raises alike) is printed as one line by
+    """The command line. A config mistake (a :class:`~dtq.launch.config.ConfigError`: of the config
+    file or an override, or found later, which every rank raises alike) is printed as one line by
     rank 0, without a traceback, and the process exits with status 2."""
     args = parse_args(argv)
     try:
-        try:
-            cfg = load_config(args)
-        except ValueError as e:  # config.load raises nothing else for a bad file or override
-            raise config_mod.ConfigError(str(e)) from None
+        cfg = load_config(args)
         result = train(cfg, resume=args.resume, launcher=args.launcher, overwrite=args.overwrite)
         # Every rank past its last collective before any tears its process groups down: a gloo
         # rank that exits while a peer's work is still in flight can abort at interpreter exit.
