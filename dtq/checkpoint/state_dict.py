@@ -1,4 +1,4 @@
-"""State dicts of dtq GEMM weights: codes, not values (DESIGN 5.6).
+"""State dicts of dtq GEMM weights: codes, not values (docs/design.md §5.6).
 
 A high-precision weight (``HighPrecisionWeight``) is saved as its plain data. A quantized weight
 is saved as its payload tensors, one entry per field, ``<name>._payload.<direction>.<tag>.<field>``

@@ -1,5 +1,5 @@
 """The autograd function behind every dtq GEMM module: fprop, dgrad and wgrad on the payloads the
-recipe asks for, with the backward override applied (DESIGN section 4)."""
+recipe asks for, with the backward override applied (docs/design.md section 4)."""
 
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ class Slot:
     def quantize(self, x: torch.Tensor, rowwise: bool, columnwise: bool, replay: bool = False,
                  group=None, sync=None, known_amax: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` quantized into the requested directions; with a ``group``, ``x`` is this rank's
-        sequence-parallel shard and the result is the gathered whole (DESIGN 5: quantized, with
+        sequence-parallel shard and the result is the gathered whole (docs/design.md §5: quantized, with
         scales agreed across the group). ``sync``: the :class:`dtq.parallel.amax.AmaxSync` that
         reduces this step's delayed-scaling amax over the ranks sharing histories, or None.
         ``known_amax``: max|x| if the producer of x computed it (used by current scaling only)."""

@@ -31,6 +31,7 @@ from dtq.formats.base import quantize_payloads, shape_2d
 from dtq.parallel import comm
 from dtq.parallel.amax import all_reduce_max, reduce_over_shards
 from dtq.parallel._torch_private import GatherContext, gather_context, in_backward, resize_gather_buffers
+from dtq.parallel.world import check_launched_world
 from dtq.tensor import QuantizedTensor, warn_once
 
 
@@ -96,7 +97,7 @@ def _rows_per_index(full_shape) -> int:
 
 
 def _check_alignment(ctx: GatherContext, quantizer: Quantizer, dirs, full_shape, world: int):
-    """DESIGN 5.4: a gathered direction's dim-0 blocks must not straddle two shards."""
+    """docs/design.md §5.4: a gathered direction's dim-0 blocks must not straddle two shards."""
     shard_rows = _padded_rows(full_shape, world)
     for d in dirs:
         need = quantizer.block_rows(d)
@@ -355,6 +356,7 @@ class HighPrecisionWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         ctx = gather_context(self)
         _check_supported(ctx)
+        check_launched_world()
         module.gemm_state.fsdp_gathered = True
         world = mesh.size()
         param_dtype = mp_policy.param_dtype or self.dtype
@@ -433,6 +435,7 @@ def precompute_amax(model: torch.nn.Module, recipe=None) -> None:
 
     from dtq.nn.module import QuantizedModule
 
+    check_launched_world()
     groups: dict = {}
     for module in model.modules():
         if not isinstance(module, QuantizedModule):
@@ -469,6 +472,7 @@ def precompute_amax(model: torch.nn.Module, recipe=None) -> None:
 def quantized_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, module, mp_policy):
     ctx = gather_context(self)
     _check_supported(ctx)
+    check_launched_world()
     module.gemm_state.fsdp_gathered = True
     world = mesh.size()
     dirs = _needed_directions(ctx, module, self._quantizer, self.directions)
