@@ -7,7 +7,7 @@ import weakref
 import torch
 
 from dtq.autocast import active_recipe
-from dtq.checkpoint.state_dict import SEP, check_weight, weight_entries, weight_meta
+from dtq.checkpoint.state_dict import KEY_PATH, SEP, check_weight, weight_entries, weight_meta
 from dtq.nn import _ops
 from dtq.nn._linear_fn import DequantizeWeight, LinearFn, Slot, _local_weight
 from dtq.nn.gemm_state import GemmCall, GemmHandle, GemmSlots, GemmState, template_key
@@ -111,6 +111,13 @@ class QuantizedModule(torch.nn.Module):
         return name
 
     # -- state dicts: GEMM weights as codes (dtq.checkpoint) --------------------------------------
+    _dtq_key_path = KEY_PATH
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """For DCP's state-dict helpers (``get_model_state_dict``...), which resolve each key as
+        an attribute path: the payload keys of a GEMM weight resolve through ``KEY_PATH``."""
+        return {w: "_dtq_key_path" for w in self.weight_names()}
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         for w in self.weight_names():

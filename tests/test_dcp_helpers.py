@@ -1,0 +1,237 @@
+"""torch.distributed.checkpoint.state_dict's helpers (get_/set_state_dict, get_/set_model_state_dict,
+get_/set_optimizer_state_dict: what torchtitan, Accelerate and Lightning checkpoint through) on dtq
+models under FSDP2 with MasterWeightOptimizer, for high-precision and quantized parameters of each
+format family: sharded state dicts saved with dcp.save on 2 ranks and loaded on 4 and on 1, full
+(unsharded) CPU state dicts, and the high-precision export. Also: a plain optimizer that steps
+quantized parameters warns once."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     get_state_dict, set_model_state_dict, set_optimizer_state_dict,
+                                                     set_state_dict)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+import dtq
+from dtq.testing import spawn
+
+H, T = 128, 32  # 128 rows: whole 32-row MXFP8 and 16-row NVFP4 blocks on each of 4 ranks
+# Quantized parameters of each format family; high-precision shards save plain values whatever
+# the recipe, so one recipe covers them.
+CASES = [("hybrid", False), ("fp8", True), ("mxfp8", True), ("nvfp4", True), ("hybrid", True)]
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # torchtitan's sharded checkpoints
+
+
+def _recipe(fmt: str):
+    return {"fp8": dtq.Float8CurrentScaling(), "mxfp8": dtq.MXFP8BlockScaling(), "nvfp4": dtq.NVFP4BlockScaling(),
+            "hybrid": dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling())}[fmt]
+
+
+def _fresh(fmt: str, qp: bool, seed: int, mesh=None):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(dtq.nn.LayerNormMLP(H, H, name="mlp"), dtq.nn.Linear(H, H, name="out"))
+    if qp:
+        dtq.convert(m, recipe=_recipe(fmt), quantized_params=True)
+    if mesh is not None:
+        for layer in m:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+    return m, dtq.optim.MasterWeightOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2)
+
+
+def _trained(fmt: str, qp: bool, rank: int, mesh):
+    m, opt = _fresh(fmt, qp, 0, mesh)
+    world = mesh.size()
+    x = torch.randn(world * T, H, generator=torch.Generator().manual_seed(1))[rank * T:(rank + 1) * T]
+    with dtq.autocast(_recipe(fmt)):
+        m(x).square().mean().backward()
+    opt.step()  # masters and AdamW state to save; the masters now differ from the dequantized payloads
+    opt.zero_grad()
+    return m, opt
+
+
+def _full(m, opt) -> dict:
+    """Full CPU state dicts (rank 0 gets them; a collective)."""
+    return {"model": get_model_state_dict(m, options=FULL), "optim": get_optimizer_state_dict(m, opt, options=FULL)}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _assert_same(a, b, where: str = "") -> None:
+    """Bitwise equal tensors, equal everything else, through nested dicts and lists."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(_bits(a), _bits(b)), where
+    elif isinstance(a, dict):
+        assert sorted(a, key=str) == sorted(b, key=str), (where, sorted(set(a) ^ set(b), key=str))
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+def _case(root, fmt, qp) -> str:
+    return f"{root}/{fmt}-{'quantized' if qp else 'hp'}"
+
+
+def _save_on_2(rank, root):
+    """Ranks 0 and 1 train one step with FSDP2 over the two of them, save with the helpers and
+    dcp.save, and keep the full state dicts and high-precision exports (rank 0) as references."""
+    mesh = DeviceMesh("cpu", [0, 1])  # every rank takes part in making the group
+    if rank > 1:
+        return
+    for fmt, qp in CASES:
+        m, opt = _trained(fmt, qp, rank, mesh)
+        model_sd, optim_sd = get_state_dict(m, opt, options=FLAT)
+        if qp:  # codes, not values: payload entries; the masters in the optimizer's state by name
+            assert "0.fc1_weight" not in model_sd and any(".fc1_weight._payload.rowwise." in k for k in model_sd)
+            assert isinstance(optim_sd["state.1.weight.master"], DTensor)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=_case(root, fmt, qp),
+                 process_group=mesh.get_group())
+        full = _full(m, opt)
+        # the high-precision export agrees with the masters and with the payloads
+        hp_masters = dtq.checkpoint.high_precision_state_dict(m, torch.float32, optimizer=opt)
+        hp_payloads = dtq.checkpoint.high_precision_state_dict(m, torch.float32)
+        if rank == 0:
+            assert all(not isinstance(v, DTensor) and v.device.type == "cpu"
+                       for v in full["model"].values() if isinstance(v, torch.Tensor))
+            if qp:
+                for name in ("0.fc1_weight", "0.fc2_weight", "1.weight"):
+                    assert torch.equal(hp_masters[name], full["optim"]["state"][name]["master"]), name
+            torch.save({**full, "hp_payloads": hp_payloads}, _case(root, fmt, qp) + ".pt")
+
+
+def _save_on_2_load_on_4(rank, world, root):
+    _save_on_2(rank, root)
+    dist.barrier()
+    mesh = init_device_mesh("cpu", (world,))
+    for fmt, qp in CASES:
+        ref = torch.load(_case(root, fmt, qp) + ".pt", weights_only=True)
+        # sharded: dcp.load into the helpers' state dicts, resharded from 2 ranks to 4
+        m, opt = _fresh(fmt, qp, 1, mesh)
+        model_sd, optim_sd = get_state_dict(m, opt, options=FLAT)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=_case(root, fmt, qp))
+        set_state_dict(m, opt, model_state_dict=model_sd, optim_state_dict=optim_sd, options=FLAT)
+        got = _full(m, opt)
+        if rank == 0:
+            _assert_same(got["model"], ref["model"], f"{fmt}/{qp} model")
+            _assert_same(got["optim"], ref["optim"], f"{fmt}/{qp} optim")
+        # full: the same state dicts on every rank, sharded by the helpers
+        # (copies: set_model_state_dict puts this rank's shards into the dict it is given)
+        m, opt = _fresh(fmt, qp, 2, mesh)
+        set_model_state_dict(m, copy.deepcopy(ref["model"]), options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(m, opt, copy.deepcopy(ref["optim"]), options=StateDictOptions(full_state_dict=True))
+        got = _full(m, opt)
+        if rank == 0:
+            _assert_same(got["model"], ref["model"], f"{fmt}/{qp} model from full")
+            _assert_same(got["optim"], ref["optim"], f"{fmt}/{qp} optim from full")
+    # broadcast_from_rank0 brings no payload entries to the other ranks: a clear error there
+    m, _ = _fresh("hybrid", True, 3, mesh)
+    full = ref["model"] if rank == 0 else {}
+    if rank == 0:
+        set_model_state_dict(m, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    else:
+        with pytest.raises(RuntimeError, match=r"1\.weight: none of its payload entries") as failure:
+            set_model_state_dict(m, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        assert "broadcast_from_rank0=True) brings parameters" in str(failure.value)
+
+
+def _load_on_1(root):
+    """One process, no FSDP: the same checkpoints resharded to a plain model."""
+    for fmt, qp in CASES:
+        ref = torch.load(_case(root, fmt, qp) + ".pt", weights_only=True)
+        m, opt = _fresh(fmt, qp, 1)
+        model_sd, optim_sd = get_state_dict(m, opt, options=FLAT)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=_case(root, fmt, qp))
+        set_state_dict(m, opt, model_state_dict=model_sd, optim_state_dict=optim_sd, options=FLAT)
+        got = _full(m, opt)
+        _assert_same(got["model"], ref["model"], f"{fmt}/{qp} model")
+        _assert_same(got["optim"], ref["optim"], f"{fmt}/{qp} optim")
+        if qp:  # dequantized payloads: the export without an optimizer
+            for name, p in m.named_parameters():
+                if isinstance(p, dtq.QuantizedTensor):
+                    assert torch.equal(p.dequantize(torch.float32), ref["hp_payloads"][name]), name
+
+
+def test_state_dict_helpers_save_on_2_load_on_4_and_1(tmp_path):
+    spawn(_save_on_2_load_on_4, 4, str(tmp_path))
+    _load_on_1(str(tmp_path))
+
+
+def test_earlier_layouts_still_load(tmp_path):
+    """State dicts and DCP checkpoints written before the helpers worked: FP8 codes as FP8 under
+    layout-1 keys, the quantizer itself in the extra state, MasterWeightOptimizer's
+    {"inner", "masters"}."""
+    from dtq.checkpoint.state_dict import entry_key
+
+    src, src_opt = _fresh("hybrid", True, 0)
+    for p in src.parameters():
+        p.grad = torch.ones_like(p.dequantize() if isinstance(p, dtq.QuantizedTensor) else p)
+    src_opt.step()
+    old = {k: v for k, v in src.state_dict().items() if "._payload." not in k}
+    for mname, mod in src.named_modules():
+        if isinstance(mod, dtq.nn.QuantizedModule):
+            for w in mod.weight_names():
+                p = getattr(mod, w)
+                old[f"{mname}._extra_state"][w]["quantizer"] = p.quantizer
+                for d in p.directions:
+                    for k, v in p.payload(d).items():
+                        old[entry_key(f"{mname}.{w}", p.quantizer, d, k, layout=1)] = v.clone()
+    old_opt = {"inner": src_opt.inner.state_dict(), "masters": [m.detach().clone() for m in src_opt.masters]}
+    assert all("master" not in st for st in src_opt.inner.state.values())  # state_dict() left it alone
+    dcp.save({"model": old, "optim": old_opt}, checkpoint_id=str(tmp_path))
+    expected = get_state_dict(src, src_opt)
+
+    m, opt = _fresh("hybrid", True, 1)  # in memory
+    m.load_state_dict(old)
+    opt.load_state_dict(old_opt)
+    _assert_same(get_state_dict(m, opt), expected)
+
+    m, opt = _fresh("hybrid", True, 2)  # from disk, through the layout-1 templates
+    opt.state_dict()  # materializes AdamW's state
+    templates = {"model": dtq.checkpoint.layout1_state_dict(m),
+                 "optim": {"inner": opt.inner.state_dict(), "masters": [x.detach() for x in opt.masters]}}
+    dcp.load(templates, checkpoint_id=str(tmp_path))
+    m.load_state_dict(templates["model"])
+    opt.load_state_dict(templates["optim"])
+    _assert_same(get_state_dict(m, opt), expected)
+
+
+def test_plain_optimizer_on_quantized_parameters_warns_once(monkeypatch):
+    import dtq.tensor
+
+    monkeypatch.setattr(dtq.tensor, "_warned", set())
+    recipe = dtq.Float8CurrentScaling()
+    for make, expected in [(lambda ps: dtq.optim.MasterWeightOptimizer(ps, torch.optim.AdamW, lr=1e-4), 0),
+                           (lambda ps: torch.optim.AdamW(ps, lr=1e-4), 1)]:
+        torch.manual_seed(0)
+        m = dtq.convert(torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.Linear(H, H)), recipe=recipe,
+                        quantized_params=True)
+        opt = make(m.parameters())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                with dtq.autocast(recipe):
+                    m(torch.randn(T, H)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        ours = [str(w.message) for w in caught if "quantized parameter" in str(w.message)]
+        assert len(ours) == expected, ours
+    assert "AdamW updates 2 quantized parameter(s)" in ours[0] and "param_groups[0]['params'][0]" in ours[0]
+    assert "dtq.optim.MasterWeightOptimizer(params, torch.optim.AdamW" in ours[0]
