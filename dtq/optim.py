@@ -10,6 +10,7 @@ from typing import Any, Iterable
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from dtq.nn.module import LIVE_MODULES
 from dtq.parallel.master import quantize_master_weights
 from dtq.tensor import QuantizedTensor, warn_once
 
@@ -320,12 +321,23 @@ def _warn_if_stepping_quantized(optimizer: torch.optim.Optimizer, args, kwargs) 
         q = _local_of(p).quantizer
         warn_once("optimizer-steps-quantized",
                   f"dtq: {type(optimizer).__name__} updates {len(stepped)} quantized parameter(s) in place, the first "
-                  f"param_groups[{i}]['params'][{j}] (shape {list(p.shape)}, {type(q).__name__}): each update is "
+                  f"{_param_name(p) or '(a parameter of no live dtq module)'} (param_groups[{i}]['params'][{j}], "
+                  f"shape {list(p.shape)}, {type(q).__name__}): each update is "
                   f"rounded to the format's codes, so small updates are lost. Step quantized parameters with "
                   f"dtq.optim.MasterWeightOptimizer(params, torch.optim.{type(optimizer).__name__}, ...), which "
                   f"updates FP32 master weights and casts them into the parameters.")
     if stepped or not quantized:
         _checked[optimizer] = count
+
+
+def _param_name(p: torch.Tensor) -> str | None:
+    """``<module name>.<weight>`` of the dtq module that holds ``p``; dtq.convert names each module
+    by its fully qualified name."""
+    for m in list(LIVE_MODULES):
+        for w in m.weight_names():
+            if m._parameters.get(w) is p:
+                return f"{m.name or type(m).__name__}.{w}"
+    return None
 
 
 register_optimizer_step_pre_hook(_warn_if_stepping_quantized)

@@ -1,9 +1,9 @@
 """torch.distributed.checkpoint.state_dict's helpers (get_/set_state_dict, get_/set_model_state_dict,
 get_/set_optimizer_state_dict: what torchtitan, Accelerate and Lightning checkpoint through) on dtq
-models under FSDP2 with MasterWeightOptimizer, for high-precision and quantized parameters of each
-format family: sharded state dicts saved with dcp.save on 2 ranks and loaded on 4 and on 1, full
-(unsharded) CPU state dicts, and the high-precision export. Also: a plain optimizer that steps
-quantized parameters warns once."""
+models with MasterWeightOptimizer, for high-precision and quantized parameters of each format
+family: sharded state dicts saved with dcp.save in one process and loaded on 2 FSDP2 ranks and the
+other way round, full (unsharded) CPU state dicts, and the high-precision export. Also: a plain
+optimizer that steps quantized parameters warns once, naming the parameter."""
 
 from __future__ import annotations
 
@@ -24,22 +24,29 @@ from torch.distributed.tensor import DTensor
 import dtq
 from dtq.testing import spawn
 
-H, T = 128, 32  # 128 rows: whole 32-row MXFP8 and 16-row NVFP4 blocks on each of 4 ranks
+H, T = 128, 32  # 128 rows: whole 32-row MXFP8 and 16-row NVFP4 blocks on each of 2 ranks
 # Quantized parameters of each format family; high-precision shards save plain values whatever
 # the recipe, so one recipe covers them.
-CASES = [("hybrid", False), ("fp8", True), ("mxfp8", True), ("nvfp4", True), ("hybrid", True)]
+CASES = [("mxfp8", False), ("fp8", True), ("fp8_rows", True), ("blocks", True), ("mxfp8", True), ("nvfp4", True),
+         ("hybrid", True)]
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # torchtitan's sharded checkpoints
 
 
 def _recipe(fmt: str):
-    return {"fp8": dtq.Float8CurrentScaling(), "mxfp8": dtq.MXFP8BlockScaling(), "nvfp4": dtq.NVFP4BlockScaling(),
+    return {"fp8": dtq.Float8CurrentScaling(), "fp8_rows": dtq.Float8RowwiseScaling(),
+            "blocks": dtq.Float8BlockScaling(), "mxfp8": dtq.MXFP8BlockScaling(), "nvfp4": dtq.NVFP4BlockScaling(),
             "hybrid": dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling())}[fmt]
+
+
+def _hidden(fmt: str) -> int:
+    return 2 * H if fmt == "blocks" else H  # 128x128 FP8 blocks: 256 rows keep them whole on 2 ranks
 
 
 def _fresh(fmt: str, qp: bool, seed: int, mesh=None):
     torch.manual_seed(seed)
-    m = torch.nn.Sequential(dtq.nn.LayerNormMLP(H, H, name="mlp"), dtq.nn.Linear(H, H, name="out"))
+    h = _hidden(fmt)
+    m = torch.nn.Sequential(dtq.nn.LayerNormMLP(h, h, name="mlp"), dtq.nn.Linear(h, h, name="out"))
     if qp:
         dtq.convert(m, recipe=_recipe(fmt), quantized_params=True)
     if mesh is not None:
@@ -51,8 +58,7 @@ def _fresh(fmt: str, qp: bool, seed: int, mesh=None):
 
 def _trained(fmt: str, qp: bool, rank: int, mesh):
     m, opt = _fresh(fmt, qp, 0, mesh)
-    world = mesh.size()
-    x = torch.randn(world * T, H, generator=torch.Generator().manual_seed(1))[rank * T:(rank + 1) * T]
+    x = torch.randn(2 * T, _hidden(fmt), generator=torch.Generator().manual_seed(1))[rank * T:(rank + 1) * T]
     with dtq.autocast(_recipe(fmt)):
         m(x).square().mean().backward()
     opt.step()  # masters and AdamW state to save; the masters now differ from the dequantized payloads
@@ -86,24 +92,21 @@ def _assert_same(a, b, where: str = "") -> None:
         assert a == b, (where, a, b)
 
 
-def _case(root, fmt, qp) -> str:
-    return f"{root}/{fmt}-{'quantized' if qp else 'hp'}"
+def _case(root, world, fmt, qp) -> str:
+    return f"{root}/{world}-ranks-{fmt}-{'quantized' if qp else 'hp'}"
 
 
-def _save_on_2(rank, root):
-    """Ranks 0 and 1 train one step with FSDP2 over the two of them, save with the helpers and
-    dcp.save, and keep the full state dicts and high-precision exports (rank 0) as references."""
-    mesh = DeviceMesh("cpu", [0, 1])  # every rank takes part in making the group
-    if rank > 1:
-        return
+def _save(root: str, rank: int, mesh=None) -> None:
+    """Train one step (FSDP2 over ``mesh``, or one process), save with the helpers and dcp.save,
+    and keep the full state dicts and the high-precision exports (rank 0) as references."""
+    world = 1 if mesh is None else mesh.size()
     for fmt, qp in CASES:
         m, opt = _trained(fmt, qp, rank, mesh)
         model_sd, optim_sd = get_state_dict(m, opt, options=FLAT)
         if qp:  # codes, not values: payload entries; the masters in the optimizer's state by name
             assert "0.fc1_weight" not in model_sd and any(".fc1_weight._payload.rowwise." in k for k in model_sd)
-            assert isinstance(optim_sd["state.1.weight.master"], DTensor)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=_case(root, fmt, qp),
-                 process_group=mesh.get_group())
+            assert isinstance(optim_sd["state.1.weight.master"], DTensor) == (mesh is not None)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=_case(root, world, fmt, qp))
         full = _full(m, opt)
         # the high-precision export agrees with the masters and with the payloads
         hp_masters = dtq.checkpoint.high_precision_state_dict(m, torch.float32, optimizer=opt)
@@ -114,64 +117,61 @@ def _save_on_2(rank, root):
             if qp:
                 for name in ("0.fc1_weight", "0.fc2_weight", "1.weight"):
                     assert torch.equal(hp_masters[name], full["optim"]["state"][name]["master"]), name
-            torch.save({**full, "hp_payloads": hp_payloads}, _case(root, fmt, qp) + ".pt")
+            torch.save({**full, "hp_payloads": hp_payloads}, _case(root, world, fmt, qp) + ".pt")
 
 
-def _save_on_2_load_on_4(rank, world, root):
-    _save_on_2(rank, root)
-    dist.barrier()
-    mesh = init_device_mesh("cpu", (world,))
+def _load(root: str, saved_on: int, rank: int, mesh=None) -> None:
+    """The checkpoints saved on ``saved_on`` ranks, loaded (resharded) on ``mesh`` or in one process
+    through dcp.load into the helpers' state dicts; on ``mesh`` also from the full state dicts."""
     for fmt, qp in CASES:
-        ref = torch.load(_case(root, fmt, qp) + ".pt", weights_only=True)
-        # sharded: dcp.load into the helpers' state dicts, resharded from 2 ranks to 4
+        where = f"{saved_on} ranks, {fmt}, quantized={qp}"
+        ref = torch.load(_case(root, saved_on, fmt, qp) + ".pt", weights_only=True)
         m, opt = _fresh(fmt, qp, 1, mesh)
         model_sd, optim_sd = get_state_dict(m, opt, options=FLAT)
-        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=_case(root, fmt, qp))
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=_case(root, saved_on, fmt, qp))
         set_state_dict(m, opt, model_state_dict=model_sd, optim_state_dict=optim_sd, options=FLAT)
         got = _full(m, opt)
         if rank == 0:
-            _assert_same(got["model"], ref["model"], f"{fmt}/{qp} model")
-            _assert_same(got["optim"], ref["optim"], f"{fmt}/{qp} optim")
-        # full: the same state dicts on every rank, sharded by the helpers
+            _assert_same(got["model"], ref["model"], f"{where}: model")
+            _assert_same(got["optim"], ref["optim"], f"{where}: optim")
+            if qp and mesh is None:  # dequantized payloads: the export without an optimizer
+                for name, p in m.named_parameters():
+                    if isinstance(p, dtq.QuantizedTensor):
+                        assert torch.equal(p.dequantize(torch.float32), ref["hp_payloads"][name]), name
+        if mesh is None:
+            continue
+        # full state dicts on every rank, sharded by the helpers
         # (copies: set_model_state_dict puts this rank's shards into the dict it is given)
         m, opt = _fresh(fmt, qp, 2, mesh)
         set_model_state_dict(m, copy.deepcopy(ref["model"]), options=StateDictOptions(full_state_dict=True))
         set_optimizer_state_dict(m, opt, copy.deepcopy(ref["optim"]), options=StateDictOptions(full_state_dict=True))
         got = _full(m, opt)
         if rank == 0:
-            _assert_same(got["model"], ref["model"], f"{fmt}/{qp} model from full")
-            _assert_same(got["optim"], ref["optim"], f"{fmt}/{qp} optim from full")
+            _assert_same(got["model"], ref["model"], f"{where}: model from full")
+            _assert_same(got["optim"], ref["optim"], f"{where}: optim from full")
+
+
+def _on_2_ranks(rank, world, root):
+    mesh = init_device_mesh("cpu", (world,))
+    _load(root, 1, rank, mesh)
+    _save(root, rank, mesh)
     # broadcast_from_rank0 brings no payload entries to the other ranks: a clear error there
+    ref = torch.load(_case(root, 1, "hybrid", True) + ".pt", weights_only=True)
     m, _ = _fresh("hybrid", True, 3, mesh)
-    full = ref["model"] if rank == 0 else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     if rank == 0:
-        set_model_state_dict(m, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        set_model_state_dict(m, ref["model"], options=options)
     else:
         with pytest.raises(RuntimeError, match=r"1\.weight: none of its payload entries") as failure:
-            set_model_state_dict(m, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+            set_model_state_dict(m, {}, options=options)
         assert "broadcast_from_rank0=True) brings parameters" in str(failure.value)
 
 
-def _load_on_1(root):
-    """One process, no FSDP: the same checkpoints resharded to a plain model."""
-    for fmt, qp in CASES:
-        ref = torch.load(_case(root, fmt, qp) + ".pt", weights_only=True)
-        m, opt = _fresh(fmt, qp, 1)
-        model_sd, optim_sd = get_state_dict(m, opt, options=FLAT)
-        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=_case(root, fmt, qp))
-        set_state_dict(m, opt, model_state_dict=model_sd, optim_state_dict=optim_sd, options=FLAT)
-        got = _full(m, opt)
-        _assert_same(got["model"], ref["model"], f"{fmt}/{qp} model")
-        _assert_same(got["optim"], ref["optim"], f"{fmt}/{qp} optim")
-        if qp:  # dequantized payloads: the export without an optimizer
-            for name, p in m.named_parameters():
-                if isinstance(p, dtq.QuantizedTensor):
-                    assert torch.equal(p.dequantize(torch.float32), ref["hp_payloads"][name]), name
-
-
-def test_state_dict_helpers_save_on_2_load_on_4_and_1(tmp_path):
-    spawn(_save_on_2_load_on_4, 4, str(tmp_path))
-    _load_on_1(str(tmp_path))
+def test_state_dict_helpers_save_on_1_load_on_2_and_back(tmp_path):
+    """Saved in one process, loaded on 2 FSDP2 ranks; saved there, loaded in one process."""
+    _save(str(tmp_path), 0)
+    spawn(_on_2_ranks, 2, str(tmp_path))
+    _load(str(tmp_path), 2, 0)
 
 
 def test_earlier_layouts_still_load(tmp_path):
@@ -233,5 +233,5 @@ def test_plain_optimizer_on_quantized_parameters_warns_once(monkeypatch):
                 opt.zero_grad()
         ours = [str(w.message) for w in caught if "quantized parameter" in str(w.message)]
         assert len(ours) == expected, ours
-    assert "AdamW updates 2 quantized parameter(s)" in ours[0] and "param_groups[0]['params'][0]" in ours[0]
+    assert "AdamW updates 2 quantized parameter(s) in place, the first 0.weight (param_groups[0]['params'][0]" in ours[0]
     assert "dtq.optim.MasterWeightOptimizer(params, torch.optim.AdamW" in ours[0]

@@ -19,6 +19,8 @@ from dtq.tensor import QuantizedTensor, warn_once
 
 SLOT_TYPES = ("input", "weight", "output", "grad_output", "grad_input")
 _QUANTIZED_SLOTS = ("input", "weight", "grad_output")
+# Every live dtq module, so that a warning about a parameter can name it (dtq.optim).
+LIVE_MODULES: "weakref.WeakSet[QuantizedModule]" = weakref.WeakSet()
 
 
 class QuantizedModule(torch.nn.Module):
@@ -38,6 +40,7 @@ class QuantizedModule(torch.nn.Module):
         self._slot_cache: dict = {}
         self.gemm_state = GemmState()
         self._gemm_handle = GemmHandle(self)
+        LIVE_MODULES.add(self)
 
     def gemm_suffixes(self) -> list[str]:
         return [""]
