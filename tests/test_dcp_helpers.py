@@ -165,6 +165,20 @@ def _on_2_ranks(rank, world, root):
         with pytest.raises(RuntimeError, match=r"1\.weight: none of its payload entries") as failure:
             set_model_state_dict(m, {}, options=options)
         assert "broadcast_from_rank0=True) brings parameters" in str(failure.value)
+    _plain_optimizer_warning(rank, mesh)
+
+
+def _plain_optimizer_warning(rank, mesh) -> None:
+    """A plain optimizer on FSDP2-sharded quantized parameters (DTensors) warns, naming the first."""
+    m, _ = _fresh("mxfp8", True, 4, mesh)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    with dtq.autocast(_recipe("mxfp8")):
+        m(torch.randn(T, H)).sum().backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    ours = [str(w.message) for w in caught if "quantized parameter" in str(w.message)]
+    assert len(ours) == 1 and "AdamW updates 3 quantized parameter(s) in place, the first mlp.fc1_weight" in ours[0], ours
 
 
 def test_state_dict_helpers_save_on_1_load_on_2_and_back(tmp_path):

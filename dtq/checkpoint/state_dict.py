@@ -121,17 +121,11 @@ def layout1_state_dict(model: torch.nn.Module) -> dict:
     """``model.state_dict()`` as dtq wrote it before FP8 codes were stored as bytes (FP8 dtypes,
     layout-1 tags): the template for ``dcp.load`` of a checkpoint of that time, which
     ``model.load_state_dict`` then takes. Its tensors are views of the live payloads too."""
-    from dtq.nn.module import QuantizedModule
-
     sd = {k: v for k, v in model.state_dict().items() if SEP not in k}
-    for mname, m in model.named_modules():
-        if isinstance(m, QuantizedModule):
-            for w in m.weight_names():
-                p = m._parameters.get(w)
-                local, dparam = _local(p) if p is not None else (None, None)
-                if isinstance(local, QuantizedTensor):
-                    name = f"{mname}.{w}" if mname else w
-                    sd.update((key, e.detach()) for _, _, key, e in _payload_entries(name, p, local, dparam, 1))
+    for name, p in model.named_parameters(remove_duplicate=False):  # tied weights under each name
+        local, dparam = _local(p)
+        if isinstance(local, QuantizedTensor):  # only GEMM weights of dtq modules are quantized
+            sd.update((key, e.detach()) for _, _, key, e in _payload_entries(name, p, local, dparam, 1))
     return sd
 
 
