@@ -319,12 +319,15 @@ def _warn_if_stepping_quantized(optimizer: torch.optim.Optimizer, args, kwargs) 
     if stepped:
         i, j, p = stepped[0]
         q = _local_of(p).quantizer
+        cls = type(optimizer)
+        path = f"torch.optim.{cls.__name__}" if cls.__module__.startswith("torch.optim") else \
+            f"{cls.__module__}.{cls.__qualname__}"
         warn_once("optimizer-steps-quantized",
                   f"dtq: {type(optimizer).__name__} updates {len(stepped)} quantized parameter(s) in place, the first "
                   f"{_param_name(p) or '(a parameter of no live dtq module)'} (param_groups[{i}]['params'][{j}], "
                   f"shape {list(p.shape)}, {type(q).__name__}): each update is "
                   f"rounded to the format's codes, so small updates are lost. Step quantized parameters with "
-                  f"dtq.optim.MasterWeightOptimizer(params, torch.optim.{type(optimizer).__name__}, ...), which "
+                  f"dtq.optim.MasterWeightOptimizer(params, {path}, ...), which "
                   f"updates FP32 master weights and casts them into the parameters.")
     if stepped or not quantized:
         _checked[optimizer] = count
