@@ -7,7 +7,7 @@ import weakref
 import torch
 
 from dtq.autocast import active_recipe
-from dtq.checkpoint.state_dict import SEP, check_weight, weight_entries, weight_meta
+from dtq.checkpoint.state_dict import KEY_PATH, SEP, check_weight, weight_entries, weight_meta
 from dtq.nn import _ops
 from dtq.nn._linear_fn import DequantizeWeight, LinearFn, Slot, _local_weight
 from dtq.nn.gemm_state import GemmCall, GemmHandle, GemmSlots, GemmState, template_key
@@ -19,6 +19,8 @@ from dtq.tensor import QuantizedTensor, warn_once
 
 SLOT_TYPES = ("input", "weight", "output", "grad_output", "grad_input")
 _QUANTIZED_SLOTS = ("input", "weight", "grad_output")
+# Every live dtq module, so that a warning about a parameter can name it (dtq.optim).
+LIVE_MODULES: "weakref.WeakSet[QuantizedModule]" = weakref.WeakSet()
 
 
 class QuantizedModule(torch.nn.Module):
@@ -38,6 +40,7 @@ class QuantizedModule(torch.nn.Module):
         self._slot_cache: dict = {}
         self.gemm_state = GemmState()
         self._gemm_handle = GemmHandle(self)
+        LIVE_MODULES.add(self)
 
     def gemm_suffixes(self) -> list[str]:
         return [""]
@@ -111,6 +114,13 @@ class QuantizedModule(torch.nn.Module):
         return name
 
     # -- state dicts: GEMM weights as codes (dtq.checkpoint) --------------------------------------
+    _dtq_key_path = KEY_PATH
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """For DCP's state-dict helpers (``get_model_state_dict``...), which resolve each key as
+        an attribute path: the payload keys of a GEMM weight resolve through ``KEY_PATH``."""
+        return {w: "_dtq_key_path" for w in self.weight_names()}
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         for w in self.weight_names():

@@ -25,6 +25,7 @@ import inspect
 import torch
 from torch.utils._pytree import tree_map
 
+from dtq._bits import as_bytes
 from dtq.autocast import active_amax_sync, active_recipe
 from dtq.formats import COLUMNWISE, ROWWISE, IdentityQuantizer, Quantizer, codec_for
 from dtq.formats.base import quantize_payloads, shape_2d
@@ -226,7 +227,7 @@ def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, fa
         # FP8 codes travel as bytes: a group whose inputs are all FP8 would get an FP8 all-gather
         # buffer, which gloo (and any backend without FP8 collectives) rejects.
         dtypes = tuple(t.dtype for t in inputs)
-        inputs = [_as_bytes(t) for t in inputs]
+        inputs = [as_bytes(t) for t in inputs]
     resize_gather_buffers(ctx, inputs, world)
     if fallback:
         dtype = payloads[dirs[0]]["data"].dtype
@@ -237,10 +238,6 @@ def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, fa
         _record(quantizer, layout, fields, world, sum(t.numel() * t.element_size() for t in inputs) * world)
     return tuple(inputs), _GatherMeta(quantizer, dirs, layout, shared, torch.Size(full_shape), aliases, ctx.param_name,
                                       packed, dtypes)
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
 
 
 # -- high-precision shards -----------------------------------------------------------------------
