@@ -27,7 +27,7 @@ def main() -> None:
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: launch/train.py's arguments")
     args = p.parse_args()
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-    from launch import train
+    from dtq.launch import train
 
     prof = cProfile.Profile()
     prof.enable()
