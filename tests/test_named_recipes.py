@@ -11,7 +11,7 @@ import torch
 
 import dtq
 from dtq.recipes import FACTORIES
-from launch.recipes import build_recipe
+from dtq.launch.recipes import build_recipe
 
 NV, MX, ID = dtq.NVFP4Quantizer, dtq.MXFP8Quantizer, dtq.IdentityQuantizer
 HP = None  # the slot stays in high precision
