@@ -79,26 +79,19 @@ class Slot:
             return queue.popleft()
         return self.last_amax
 
-    def _tensor_amax(self, direction: str, shape: tuple[int, int]) -> bool:
-        """Whether ``direction``'s scale derives from max|x| over the whole tensor (current scaling)."""
-        sub = self.quantizer.for_direction(direction)
-        codec = codec_for(sub) if sub is not None else None
-        return (codec is not None and codec.needs_amax(sub, direction) and codec.amax_space(sub, direction) == "x"
-                and tuple(codec.amax_shape(sub, direction, shape)) == ())
-
-    def takes_tensor_amax(self) -> bool:
-        """Whether a max|x| computed elsewhere (by the kernel that produced x, or in a compiled graph,
-        where it fuses into x's producer) spares this slot's quantization an amax pass."""
-        return (self.quantizer is not None and self.history is None
-                and any(self._tensor_amax(d, (1, 1)) for d in (ROWWISE, COLUMNWISE)))
-
     def _known_amax(self, x: torch.Tensor, known: torch.Tensor, rowwise: bool, columnwise: bool) -> dict:
         """``{direction: known}`` for the requested directions whose scale derives from max|x|
         over the whole tensor (current scaling), where ``known`` is that value already (computed
         by the kernel that produced x)."""
         shape = shape_2d(x.shape)
-        return {d: known for d, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise))
-                if on and self._tensor_amax(d, shape)}
+        out = {}
+        for d, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):
+            sub = self.quantizer.for_direction(d) if on else None
+            codec = codec_for(sub) if sub is not None else None
+            if (codec is not None and codec.needs_amax(sub, d) and codec.amax_space(sub, d) == "x"
+                    and tuple(codec.amax_shape(sub, d, shape)) == ()):
+                out[d] = known
+        return out
 
     def quantize(self, x: torch.Tensor, rowwise: bool, columnwise: bool, replay: bool = False,
                  group=None, sync=None, known_amax: torch.Tensor | None = None) -> torch.Tensor:
@@ -286,10 +279,9 @@ def linear_forward(call: GemmCall, x: torch.Tensor, weight: torch.Tensor, bias: 
 
 
 def linear_backward(call: GemmCall, dy: torch.Tensor, saved_x, saved_w, x_shape: torch.Size, x_dtype: torch.dtype,
-                    w_dtype: torch.dtype, need_bgrad: bool, dy_amax: torch.Tensor | None = None):
+                    w_dtype: torch.dtype, need_bgrad: bool):
     """``(dx, dw, db)`` (None where not needed) of :func:`linear_forward` from its saved operands:
-    dgrad and wgrad on the payloads the recipe asks for, or the backward override's operands.
-    ``dy_amax``: max|dy| if already known (current scaling only uses it)."""
+    dgrad and wgrad on the payloads the recipe asks for, or the backward override's operands."""
     _, _, sg = call.slots
     need_dgrad, need_wgrad = call.need_dgrad, call.need_wgrad
     # contiguous: the same reduction order (bias grad) whatever layout a compiled graph hands over
@@ -297,7 +289,7 @@ def linear_backward(call: GemmCall, dy: torch.Tensor, saved_x, saved_w, x_shape:
     scatter = call.group if call.tp is not None and call.tp.scatters_output else None
     dx = dw = db = None
     if call.override is None:
-        known = call.link.take_grad_amax() if call.link is not None else dy_amax  # max|dy| from the next op's kernel
+        known = call.link.take_grad_amax() if call.link is not None else None  # max|dy| from the next op's kernel
         gq = sg.quantize(dy2, rowwise=need_dgrad, columnwise=need_wgrad, group=scatter, sync=call.amax_sync,
                          known_amax=known)
         if need_dgrad:

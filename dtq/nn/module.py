@@ -10,8 +10,7 @@ from dtq.autocast import active_recipe
 from dtq.checkpoint.state_dict import KEY_PATH, SEP, check_weight, weight_entries, weight_meta
 from dtq.nn import _ops
 from dtq.nn._linear_fn import DequantizeWeight, LinearFn, Slot, _local_weight
-from dtq.nn.gemm_state import (TRACED_X_AMAX, GemmCall, GemmHandle, GemmSlots, GemmState, template_key,
-                                traced_amaxes)
+from dtq.nn.gemm_state import GemmCall, GemmHandle, GemmSlots, GemmState, template_key
 from dtq.parallel import tp
 from dtq.parallel._torch_private import in_backward
 from dtq.parallel.fsdp import HighPrecisionWeight
@@ -210,8 +209,6 @@ class QuantizedModule(torch.nn.Module):
                 # of one structure share the graph (unless the recipe's quantizers use names).
                 key = template_key(recipe.key, self.module_type, self.name if recipe.name_dependent else "",
                                    self.gemm_suffixes()[gemm], gemm)
-                if x_amax is None and traced_amaxes(key) & TRACED_X_AMAX and x.numel():
-                    x_amax = x.detach().abs().amax().float()  # fuses into x's producer (see traced_amaxes)
                 outs = _ops.linear(x, weight, [], 0, bias, x_amax, self._gemm_handle, key, grad and x.requires_grad,
                                    grad and weight.requires_grad, no_grad_trainable, recompute_only)
                 return outs[0]
