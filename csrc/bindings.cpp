@@ -16,6 +16,12 @@ void swiglu_backward(const at::Tensor& dh, const at::Tensor& x, const at::Tensor
                      const c10::optional<at::Tensor>& amax);
 void scale_cast(const at::Tensor& src, const c10::optional<at::Tensor>& fa, const c10::optional<at::Tensor>& fb,
                 const at::Tensor& dst);
+std::vector<at::Tensor> quantize_alloc(const at::Tensor& x, const std::vector<int64_t>& cfg_a,
+                                       const std::vector<int64_t>& fields_a, const c10::optional<at::Tensor>& amax_a,
+                                       int64_t mode_a, const std::vector<int64_t>& cfg_b,
+                                       const std::vector<int64_t>& fields_b, const c10::optional<at::Tensor>& amax_b,
+                                       int64_t mode_b, int64_t signs, const c10::optional<at::Tensor>& seed);
+at::Tensor transposed_u8(const at::Tensor& in);
 }  // namespace dtq
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -27,5 +33,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("transpose_u8", &dtq::transpose_u8, "Contiguous [K, M] copy of a 1-byte [M, K] matrix");
   m.def("swiglu_forward", &dtq::swiglu_forward, "silu(gate) * up of a [T, 2F] gate/up tensor into [T, F] (and max|h| bits)");
   m.def("swiglu_backward", &dtq::swiglu_backward, "Gradient of the [T, 2F] gate/up tensor from dh and the input (and its max|.| bits)");
+  m.def("quantize_alloc", &dtq::quantize_alloc,
+        "amax pass, payload allocation and fused quantize of up to two directions in one call");
+  m.def("transposed_u8", &dtq::transposed_u8, "Contiguous [K, M] copy of a 1-byte [M, K] matrix, allocated");
   m.def("scale_cast", &dtq::scale_cast, "((out * fa) * fb).to(dtype) of an fp32 GEMM output in one pass");
 }

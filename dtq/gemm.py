@@ -23,8 +23,8 @@ from typing import Callable, Iterator
 import torch
 
 from dtq import kernels
-from dtq.formats.base import codec_for, shape_2d
-from dtq.tensor import QuantizedTensor
+from dtq.formats.base import QuantizedData, codec_for, shape_2d
+from dtq.tensor import QUANTIZED
 
 _recorders: list[list[str]] = []  # open record_paths() blocks (a debugging aid, empty otherwise)
 _lock = threading.Lock()
@@ -57,38 +57,44 @@ def _ieee_fp32(device: torch.device) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32 = True
 
 
-@dataclasses.dataclass(frozen=True)
 class Operand:
-    """One GEMM operand: a tensor, which direction of it to read, and whether to transpose it."""
+    """One GEMM operand: a tensor (a ``QuantizedTensor``, dtq's internal ``QuantizedData``, or a
+    plain high-precision tensor), which direction of it to read, and whether to transpose it.
+    What the paths ask of it is read once here (host time is on every GEMM's critical path)."""
 
-    tensor: torch.Tensor
-    direction: str = "rowwise"
-    transpose: bool = False
+    __slots__ = ("tensor", "direction", "transpose", "quantized", "quantizer", "format", "payload", "shape2d",
+                 "device")
 
-    # Cached: the path checks ask for these many times per GEMM (host time is on the critical path).
-    @functools.cached_property
-    def quantized(self) -> bool:
-        return isinstance(self.tensor, QuantizedTensor)
-
-    @functools.cached_property
-    def quantizer(self):
-        return self.tensor.quantizer.for_direction(self.direction) if self.quantized else None
-
-    @functools.cached_property
-    def format(self) -> str:
-        return self.quantizer.format_name if self.quantized else "hp"
-
-    @functools.cached_property
-    def payload(self) -> dict:
-        return self.tensor.payload(self.direction)
+    def __init__(self, tensor: torch.Tensor | QuantizedData, direction: str = "rowwise", transpose: bool = False):
+        self.tensor, self.direction, self.transpose = tensor, direction, transpose
+        self.device = tensor.device
+        if isinstance(tensor, QUANTIZED):
+            self.quantized = True
+            self.quantizer = q = tensor.quantizer.for_direction(direction)
+            self.payload = tensor.payload(direction)
+            self.shape2d = tensor.shape2d
+            self.format = codec_for(q).name
+        else:
+            self.quantized, self.quantizer, self.payload, self.format = False, None, None, "hp"
+            self.shape2d = shape_2d(tensor.shape)
 
     def logical_shape(self) -> tuple[int, int]:
-        m, k = self.tensor.shape2d if self.quantized else shape_2d(self.tensor.shape)
+        m, k = self.shape2d
         return (k, m) if self.transpose else (m, k)
 
-    @functools.cached_property
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
     def rotation(self):
         return codec_for(self.quantizer).rotation(self.quantizer, self.direction) if self.quantized else None
+
+    def key(self) -> tuple:
+        """What a path's ``supports`` reads of this operand: format, quantizer, direction, transpose,
+        logical shape, dtypes and device (never values)."""
+        data = self.payload["data"].dtype if self.quantized else None
+        return (self.quantizer, self.direction, self.transpose, self.shape2d, self.tensor.dtype, data, self.device)
 
     def exact_dtype(self, rotated: bool = False) -> torch.dtype:
         if self.quantized:
@@ -101,7 +107,7 @@ class Operand:
         if self.quantized:
             q, codec = self.quantizer, codec_for(self.quantizer)
             read = codec.dequantize_rotated if rotated else codec.dequantize_factored
-            vals, factor = read(q, self.payload, self.direction, self.tensor.shape2d, dtype)
+            vals, factor = read(q, self.payload, self.direction, self.shape2d, dtype)
         else:
             vals, factor = self.tensor.reshape(-1, self.tensor.shape[-1]).to(dtype), None
         return (vals.t() if self.transpose else vals), factor
@@ -141,7 +147,7 @@ def _emulated(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
 
 
 def _bf16_exact_ok(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
-    if not (a.tensor.is_cuda and b.tensor.is_cuda):
+    if not (a.is_cuda and b.is_cuda):
         return False
     rotated = _shared_rotation(a, b)
     return a.exact_dtype(rotated) == torch.bfloat16 and b.exact_dtype(rotated) == torch.bfloat16
@@ -178,7 +184,7 @@ def _sm_at_least(t: torch.Tensor, major: int, minor: int = 0) -> bool:
 
 
 def _fp8_tensorwise_ok(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
-    if a.format != "fp8" or b.format != "fp8" or not _sm_at_least(a.tensor, 8, 9):
+    if a.format != "fp8" or b.format != "fp8" or not _sm_at_least(a, 8, 9):
         return False
     if a.quantizer.dtype == torch.float8_e5m2 and b.quantizer.dtype == torch.float8_e5m2:
         return False  # no E5M2 x E5M2 kernel
@@ -220,7 +226,7 @@ def _row_scales(op: Operand, is_b: bool) -> bool:
         return False
     # the codec's block: one whole dim of the stored [M, K] by one of the other (which is which
     # depends on the direction); it must span the contraction dim
-    shape = op.tensor.shape2d
+    shape = op.shape2d
     tile = codec_for(op.quantizer).tile(op.quantizer, op.direction, shape)
     c = _contraction_dim(op, is_b)
     return tile[c] == shape[c] and tile[1 - c] == 1
@@ -250,7 +256,7 @@ def _fp8_rowwise_ok(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
     # Hopper, the pairs above; everything else (E5M2 x E5M2, other outputs) is emulated.
     if "fp8_row" not in (a.format, b.format) or not _row_scales(a, False) or not _row_scales(b, True):
         return False
-    if not _sm_at_least(a.tensor, 9) or kernels.capability(a.tensor.device)[0] != 9:
+    if not _sm_at_least(a, 9) or kernels.capability(a.device)[0] != 9:
         return False
     if out_dtype not in _rowwise_out_dtypes():
         return False
@@ -287,7 +293,7 @@ def _block_kind(op: Operand, is_b: bool) -> str | None:
 
 
 def _fp8_blockwise_ok(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
-    if not _sm_at_least(a.tensor, 9) or kernels.capability(a.tensor.device)[0] != 9:
+    if not _sm_at_least(a, 9) or kernels.capability(a.device)[0] != 9:
         return False  # cuBLAS's 1x128 / 128x128 FP8 kernels are Hopper's
     if not hasattr(torch.nn.functional, "scaled_mm"):
         return False
@@ -338,20 +344,12 @@ PATHS: list[GemmPath] = [
 ]
 
 
-def _path_key(op: Operand) -> tuple:
-    """What a path's ``supports`` reads of an operand: format, quantizer, direction, transpose,
-    logical shape, dtypes and device (never values)."""
-    t = op.tensor
-    data = t.payload(op.direction)["data"].dtype if op.quantized else None
-    return (op.quantized and t.quantizer, op.direction, op.transpose, op.logical_shape(), t.dtype, data, t.device)
-
-
 _chosen: dict = {}  # (operand keys, out dtype) -> the path; a GEMM's path is decided once (host time)
 
 
 def mm(a: Operand, b: Operand, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``op(A) @ op(B)`` through the first path that supports this pairing."""
-    key = (_path_key(a), _path_key(b), out_dtype)
+    key = (a.key(), b.key(), out_dtype)
     path = _chosen.get(key)
     if path is None:
         (m, k), (k2, n) = a.logical_shape(), b.logical_shape()

@@ -34,7 +34,7 @@ INPUT_DTYPES = tuple(_DTYPE_CODE)
 CSRC = next((d for d in (Path(__file__).resolve().parent.parent / "csrc", Path(__file__).resolve().parent / "_csrc")
              if d.is_dir()), Path(__file__).resolve().parent / "_csrc")
 SOURCES = ("bindings.cpp", "quantize.cu", "quantize_fast_bf16.cu", "quantize_fast_f16.cu", "quantize_fast_f32.cu", "amax.cu",
-           "dequantize.cu", "transpose.cu", "swiglu.cu", "epilogue.cu")
+           "dequantize.cu", "transpose.cu", "swiglu.cu", "epilogue.cu", "quantize_alloc.cpp")
 # fp32 arithmetic must stay exactly the references': no FMA contraction, no fast math.
 CUDA_FLAGS = ("-O3", "-fmad=false", "-gencode=arch=compute_90,code=[sm_90,compute_90]", "-std=c++17")
 
@@ -95,6 +95,11 @@ def build_dir() -> Path:
     return Path.home() / ".cache" / "dtq" / "kernels" / tag.replace("+", "_")
 
 
+def disabled_token() -> str | None:
+    """The ``DTQ_DISABLE_KERNELS`` setting as it is now: caches of kernel decisions key on it."""
+    return os.environ.get("DTQ_DISABLE_KERNELS")
+
+
 def disabled() -> bool:
     return os.environ.get("DTQ_DISABLE_KERNELS", "").strip().lower() not in ("", "0", "false", "no")
 
@@ -152,7 +157,7 @@ def available(device: torch.device | str | int | None = None) -> bool:
     torch, an sm_90+ GPU, kernels not disabled, and the extension built (building it if needed).
     Asked several times per quantize and GEMM: the answer is kept per device and setting of
     ``DTQ_DISABLE_KERNELS``."""
-    key = (os.environ.get("DTQ_DISABLE_KERNELS"), device)
+    key = (disabled_token(), device)
     ok = _available.get(key)
     if ok is None:
         ok = _available[key] = _available_now(device)
@@ -197,31 +202,74 @@ def axis_amax(x: torch.Tensor, rows: bool, cols: bool) -> tuple[torch.Tensor | N
     return (None if r is None else r.view(torch.float32)), (None if c is None else c.view(torch.float32))
 
 
-def quantize(x: torch.Tensor, specs: dict[str, KernelSpec], amaxes: dict[str, torch.Tensor],
-             seed: torch.Tensor | None) -> dict[str, dict[str, torch.Tensor]]:
-    """Payloads of up to two directions of the contiguous [M, K] CUDA tensor ``x``, one read.
-    ``amaxes[d]``: fp32 CUDA tensor for directions whose kernel reads an amax: 0-dim (a tensor
-    amax), or contiguous [M] / [K] (``spec.amax_vector``)."""
-    if len(specs) > 2:
-        raise ValueError("the fused kernel writes at most two directions")
-    dirs = list(specs)
-    if not any(s.stochastic for s in specs.values()):
-        seed = None
-    elif not isinstance(seed, torch.Tensor):
-        raise ValueError("stochastic rounding needs a seed tensor")
-    else:
-        seed = seed.to(device=x.device, dtype=torch.int64).reshape(())
-    args, payloads = [], {}
-    for i in range(2):
-        if i < len(dirs):
-            d, spec = dirs[i], specs[dirs[i]]
-            outs = [torch.empty(shape, dtype=dt, device=x.device) for _, shape, dt in spec.fields]
-            payloads[d] = {name: t for (name, _, _), t in zip(spec.fields, outs)}
-            args += [spec.config(), outs, amaxes.get(d)]
-        else:
-            args += [[NONE] + [0] * 10, [], None]
-    extension().quantize_fused(x, *args[0:3], *args[3:6], seed)
-    return payloads
+# Payload field dtypes and amax modes of quantize_alloc (csrc/quantize_alloc.cpp mirrors both).
+_FIELD_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.uint8: 3, torch.float8_e4m3fn: 4,
+                 torch.float8_e5m2: 5, torch.int32: 6}
+AMAX_GIVEN, AMAX_X, AMAX_HADAMARD, AMAX_ROWS, AMAX_COLS = 0, 1, 2, 3, 4
+_NO_SLOT = [NONE] + [0] * 10
+
+
+class QuantizeLaunch:
+    """One fused quantization of a [M, K] tensor, prepared once per (quantizer, directions, shape,
+    dtype): each call is one crossing into the extension (``quantize_alloc``), which runs the amax
+    pass a direction needs (unless its amax is given), allocates the payloads and launches the
+    kernel. ``specs``: up to two directions' KernelSpecs; ``tensor_amax``: the directions whose
+    kernel reads a tensor-wide amax (computed over x or over T x as the spec says)."""
+
+    __slots__ = ("dirs", "names", "count", "cfgs", "fields", "modes", "vectors", "signs", "stochastic")
+
+    def __init__(self, specs: dict[str, KernelSpec], tensor_amax: tuple[str, ...]):
+        if len(specs) > 2:
+            raise ValueError("the fused kernel writes at most two directions")
+        self.dirs = tuple(specs)
+        self.names = tuple(tuple(name for name, _, _ in s.fields) for s in specs.values())
+        self.count = len(self.names[0]) if self.names else 0
+        self.cfgs = [s.config() for s in specs.values()] + [_NO_SLOT] * (2 - len(specs))
+        self.fields = [[v for _, shape, dt in s.fields for v in (len(shape), *shape, _FIELD_DTYPES[dt])]
+                       for s in specs.values()] + [[]] * (2 - len(specs))
+        self.vectors = {d: s.amax_vector for d, s in specs.items() if s.amax_vector}
+        modes = []
+        for d, s in specs.items():
+            if s.amax_vector:
+                modes.append(AMAX_ROWS if s.amax_vector == "rows" else AMAX_COLS)
+            elif d in tensor_amax:
+                modes.append(AMAX_HADAMARD if s.amax_space == "hadamard" else AMAX_X)
+            else:
+                modes.append(AMAX_GIVEN)
+        self.modes = modes + [AMAX_GIVEN] * (2 - len(specs))
+        signs = {s.hadamard_signs for d, s in specs.items() if d in tensor_amax and s.amax_space == "hadamard"}
+        if len(signs) > 1:
+            raise ValueError("one amax pass computes one Hadamard sign pattern")
+        self.signs = next(iter(signs)) if signs else -1
+        self.stochastic = any(s.stochastic for s in specs.values())
+
+    def __call__(self, x: torch.Tensor, given: dict[str, torch.Tensor], seed: torch.Tensor | None) -> dict:
+        """``{direction: payload}`` of the contiguous [M, K] CUDA tensor ``x``; ``given``: amaxes
+        known already (their pass is skipped), ``seed``: an int64 tensor under stochastic rounding."""
+        amaxes, modes = [None, None], list(self.modes)
+        for i, d in enumerate(self.dirs):
+            a = given.get(d)
+            if a is not None:
+                amaxes[i], modes[i] = (a.reshape(-1).contiguous() if d in self.vectors else a), AMAX_GIVEN
+        if not self.stochastic:
+            seed = None
+        elif not isinstance(seed, torch.Tensor):
+            raise ValueError("stochastic rounding needs a seed tensor")
+        elif seed.device != x.device or seed.dtype != torch.int64 or seed.dim():
+            seed = seed.to(device=x.device, dtype=torch.int64).reshape(())
+        outs = quantize_alloc(x, self.cfgs[0], self.fields[0], amaxes[0], modes[0], self.cfgs[1], self.fields[1],
+                              amaxes[1], modes[1], self.signs, seed)
+        n = self.count
+        out = {self.dirs[0]: dict(zip(self.names[0], outs[:n]))}
+        if len(self.dirs) > 1:
+            out[self.dirs[1]] = dict(zip(self.names[1], outs[n:]))
+        return out
+
+
+def quantize_alloc(x: torch.Tensor, *args) -> list[torch.Tensor]:
+    """The extension's one-call quantization (see :class:`QuantizeLaunch`); a module-level name so
+    tests can see that the kernel path ran."""
+    return extension().quantize_alloc(x, *args)
 
 
 def dequantize(spec: KernelSpec, payload: dict[str, torch.Tensor], shape: tuple[int, int],
@@ -255,9 +303,7 @@ def transposed(x: torch.Tensor) -> torch.Tensor:
           and x.data_ptr() % 16 == 0 and available(x.device))
     if not ok:
         return x.t().contiguous()
-    out = torch.empty((x.shape[1], x.shape[0]), dtype=x.dtype, device=x.device)
-    extension().transpose_u8(x.view(torch.uint8), out.view(torch.uint8))
-    return out
+    return extension().transposed_u8(x)
 
 
 def swiglu(x: torch.Tensor, block: int, want_amax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

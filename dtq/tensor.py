@@ -35,8 +35,8 @@ from typing import Callable, Iterable, NamedTuple
 import torch
 from torch.utils._pytree import tree_map
 
-from dtq.formats.base import (COLUMNWISE, DIRECTIONS, ROWWISE, Payload, Quantizer, check_direction,
-                              codec_for, quantize_payloads, shape_2d)
+from dtq.formats.base import (COLUMNWISE, DIRECTIONS, ROWWISE, Payload, QuantizedData, Quantizer, check_direction,
+                              codec_for, dequantize_payload, quantize_payloads, shape_2d)
 
 aten = torch.ops.aten
 _FLAT = "_payload__"  # attribute-name prefix under which __tensor_flatten__ exposes payload tensors
@@ -140,13 +140,8 @@ class QuantizedTensor(torch.Tensor):
     # -- conversions ---------------------------------------------------------------------------
     def dequantize(self, dtype: torch.dtype | None = None, *, direction: str | None = None) -> torch.Tensor:
         """High-precision values of one direction (rowwise if present and ``direction`` is None)."""
-        if direction is None:
-            direction = ROWWISE if ROWWISE in self._payloads else COLUMNWISE
-        payload = self.payload(direction)
-        sub = self._quantizer.for_direction(direction)
-        with torch.no_grad():
-            out = codec_for(sub).dequantize(sub, payload, direction, self._shape2d)
-        return out.reshape(self.shape).to(dtype or self.dtype)
+        return dequantize_payload(self._quantizer, self._payloads, self._shape2d, self.shape, dtype or self.dtype,
+                                  direction)
 
     def update_usage(self, rowwise: bool | None = None, columnwise: bool | None = None,
                      source: torch.Tensor | None = None,
@@ -277,6 +272,9 @@ class QuantizedTensor(torch.Tensor):
             if out is not NotImplemented:
                 return out
         return _fallback(func, args, kwargs)
+
+
+QUANTIZED = (QuantizedTensor, QuantizedData)  # isinstance checks of code that takes either
 
 
 def _like(t: QuantizedTensor, payloads: dict[str, Payload], shape=None, dtype=None, quantizer=None,

@@ -122,13 +122,13 @@ def _compare(a: dtq.QuantizedTensor, b: dtq.QuantizedTensor, what: str):
 @pytest.fixture
 def spy(monkeypatch):
     calls = []
-    real = kernels.quantize
+    real = kernels.quantize_alloc
 
     def wrapped(*a, **k):
         calls.append(a[1])
         return real(*a, **k)
 
-    monkeypatch.setattr(kernels, "quantize", wrapped)
+    monkeypatch.setattr(kernels, "quantize_alloc", wrapped)
     return calls
 
 

@@ -44,8 +44,9 @@ APPEND_TARGETS = {"errors"}  # ``errors.append(msg)``: lines of check_state_dict
 
 # Messages no user call can reach (internal contracts between dtq's own modules).
 INTERNAL = {
-    "the fused kernel writes at most two directions",  # dtq.kernels.quantize: Quantizer passes <= 2 specs
-    "stochastic rounding needs a seed tensor",  # dtq.kernels.quantize: quantize_payloads always draws one
+    "the fused kernel writes at most two directions",  # dtq.kernels.QuantizeLaunch: Quantizer passes <= 2 specs
+    "stochastic rounding needs a seed tensor",  # dtq.kernels.QuantizeLaunch: quantize_payloads always draws one
+    "one amax pass computes one Hadamard sign pattern",  # QuantizeLaunch: only columnwise NVFP4 is rotated
 }
 
 

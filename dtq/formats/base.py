@@ -281,12 +281,86 @@ class Quantizer:
         payloads = quantize_payloads(self, x, _wanted(rowwise, columnwise), amax=amax, seed=seed)
         return QuantizedTensor(x.shape, x.dtype, self, payloads, requires_grad=False)
 
+    def quantize_data(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = True,
+                      amax: Mapping[str, torch.Tensor] | torch.Tensor | None = None,
+                      seed: int | torch.Tensor | None = None) -> QuantizedData:
+        """:meth:`quantize` for dtq's own GEMM path: the same payloads, as a :class:`QuantizedData`."""
+        payloads = quantize_payloads(self, x, _wanted(rowwise, columnwise), amax=amax, seed=seed)
+        return QuantizedData(x.shape, x.dtype, self, payloads, device=x.device)
+
+
+def dequantize_payload(quantizer: Quantizer, payloads: dict[str, Payload], shape2d: tuple[int, int], shape,
+                       dtype: torch.dtype, direction: str | None) -> torch.Tensor:
+    """High-precision values of one direction (rowwise if present and ``direction`` is None) of the
+    [M, K] matrix ``shape2d`` that ``payloads`` describe, viewed as ``shape``."""
+    if direction is None:
+        direction = ROWWISE if ROWWISE in payloads else COLUMNWISE
+    if direction not in payloads:
+        check_direction(direction)
+        raise KeyError(f"this QuantizedTensor ({quantizer.format_name}) has no {direction} payload; "
+                       f"it holds {list(payloads)}. Build it with update_usage({direction}=True, source=...)")
+    sub = quantizer.for_direction(direction)
+    with torch.no_grad():
+        out = codec_for(sub).dequantize(sub, payloads[direction], direction, shape2d)
+    return out.reshape(shape).to(dtype)
+
+
+class QuantizedData:
+    """A quantized value's payloads and quantizer without the ``torch.Tensor`` wrapper: what dtq's
+    GEMM path passes from a quantization to its GEMMs and saves for backward (as payload tensors).
+    It reads like a ``dtq.QuantizedTensor`` (``quantizer``, ``payload``, ``directions``,
+    ``shape2d``, ``dequantize``) but costs no tensor-subclass construction, which on the host is
+    a large part of a small GEMM's time. Internal: never handed to users."""
+
+    __slots__ = ("_quantizer", "_payloads", "shape", "dtype", "_shape2d", "device")
+
+    def __init__(self, shape, dtype: torch.dtype, quantizer: "Quantizer", payloads: dict[str, Payload],
+                 shape2d: tuple[int, int] | None = None, device: torch.device | None = None):
+        self.shape, self.dtype, self._quantizer, self._payloads = shape, dtype, quantizer, payloads
+        self._shape2d = shape2d if shape2d is not None else shape_2d(shape)
+        self.device = device if device is not None else next(iter(next(iter(payloads.values())).values())).device
+
+    @property
+    def quantizer(self) -> "Quantizer":
+        return self._quantizer
+
+    @property
+    def shape2d(self) -> tuple[int, int]:
+        return self._shape2d
+
+    @property
+    def directions(self) -> tuple[str, ...]:
+        return tuple(self._payloads)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def has(self, direction: str) -> bool:
+        return direction in self._payloads
+
+    def payload(self, direction: str) -> Payload:
+        return self._payloads[direction]
+
+    def dequantize(self, dtype: torch.dtype | None = None, *, direction: str | None = None) -> torch.Tensor:
+        return dequantize_payload(self._quantizer, self._payloads, self._shape2d, self.shape, dtype or self.dtype,
+                                  direction)
+
+    def with_directions(self, *directions: str) -> "QuantizedData":
+        return QuantizedData(self.shape, self.dtype, self._quantizer, {d: self._payloads[d] for d in directions},
+                             self._shape2d, self.device)
+
+    def __repr__(self) -> str:
+        return (f"QuantizedData(shape={list(self.shape)}, quantizer={self._quantizer!r}, "
+                f"directions={list(self._payloads)})")
+
 
 def _wanted(rowwise: bool, columnwise: bool) -> tuple[str, ...]:
-    dirs = tuple(d for d, on in zip(DIRECTIONS, (rowwise, columnwise)) if on)
-    if not dirs:
-        raise ValueError("quantize needs at least one of rowwise=True / columnwise=True")
-    return dirs
+    if rowwise:
+        return DIRECTIONS if columnwise else (ROWWISE,)
+    if columnwise:
+        return (COLUMNWISE,)
+    raise ValueError("quantize needs at least one of rowwise=True / columnwise=True")
 
 
 def _as_2d(x: torch.Tensor, q: Quantizer) -> torch.Tensor:
@@ -314,33 +388,70 @@ def shape_2d(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
     return m, k
 
 
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """What quantizing a [M, K] tensor into some directions needs to know beyond its values:
-    decided once per (quantizer, directions, shape), since the hot path runs every step."""
+class QuantizePlan:
+    """Everything quantizing a [M, K] tensor of one dtype on one device into some directions needs
+    beyond its values, decided once per (quantizer, directions, shape, dtype, device): the plain
+    quantizer of each direction, the directions that share another's payload, the amaxes to
+    compute, and the prepared CUDA kernel launch (:class:`dtq.kernels.QuantizeLaunch`) where one
+    applies. Every call then does only the work (the hot path of every GEMM)."""
 
-    subs: dict  # direction -> the plain quantizer producing it
-    twins: dict  # direction -> the earlier direction whose payload it shares
-    own: tuple  # the directions computed (not twins)
-    uses_rng: bool
-    amax_spaces: frozenset  # spaces of the tensor-wide amaxes the own directions need
+    __slots__ = ("q", "subs", "twins", "own", "uses_rng", "amax_spaces", "needs_amax", "launch", "reference")
+
+    def __init__(self, q: Quantizer, directions: tuple[str, ...], shape: tuple[int, int], dtype: torch.dtype,
+                 device: torch.device):
+        self.q = q
+        self.subs = {d: q.for_direction(d) for d in directions}
+        for d, sub in self.subs.items():
+            codec_for(sub).check_shape(sub, shape, d)  # raises on every call with a bad shape: never cached
+        self.twins = q.aliases(tuple(self.subs))
+        self.own = tuple(d for d in self.subs if d not in self.twins)
+        codecs = {d: codec_for(self.subs[d]) for d in self.own}
+        self.uses_rng = any(c.uses_rng(self.subs[d], d) for d, c in codecs.items())
+        self.needs_amax = {d: c.needs_amax(self.subs[d], d) for d, c in codecs.items()}
+        self.amax_spaces = frozenset(codecs[d].amax_space(self.subs[d], d) for d in self.own if self.needs_amax[d])
+        self.launch, self.reference = None, self.own
+        if device.type == "cuda" and shape[0] * shape[1] > 0:
+            from dtq import kernels
+
+            if dtype in kernels.INPUT_DTYPES and kernels.available(device):
+                specs = {d: s for d in self.own
+                         if (s := codecs[d].kernel_spec(self.subs[d], d, shape, dtype)) is not None}
+                if specs:
+                    tensor_amax = tuple(d for d in specs if self.needs_amax[d] and not specs[d].amax_vector)
+                    self.launch = kernels.QuantizeLaunch(specs, tensor_amax)
+                    self.reference = tuple(d for d in self.own if d not in specs)
+
+    def __call__(self, xc: torch.Tensor, given: dict[str, torch.Tensor], seed) -> dict[str, Payload]:
+        """Payloads of the contiguous [M, K] ``xc``; ``given``: amaxes of own directions (checked
+        shapes, fp32 on xc's device), ``seed``: a tensor when ``uses_rng``."""
+        out = self.launch(xc, given, seed) if self.launch is not None else {}
+        for d in self.reference:
+            sub = self.subs[d]
+            codec = codec_for(sub)
+            a = None
+            if self.needs_amax[d]:
+                a = given[d] if d in given else codec.local_amax(sub, xc, d).to(device=xc.device, dtype=torch.float32)
+            out[d] = codec.quantize(sub, xc, d, a, seed if codec.uses_rng(sub, d) else None)
+        if self.twins:
+            return {d: dict(out[self.twins[d]]) if d in self.twins else out[d] for d in self.subs}
+        return out if len(out) == 1 or self.own == tuple(out) else {d: out[d] for d in self.own}
 
 
 _plans: dict = {}
-_kernel_plans: dict = {}
 
 
-def _plan(q: Quantizer, directions: tuple[str, ...], shape: tuple[int, int]) -> _Plan:
-    key = (q, directions, shape)
+def quantize_plan(q: Quantizer, directions: tuple[str, ...], shape: tuple[int, int], dtype: torch.dtype,
+                  device: torch.device) -> QuantizePlan:
+    """The (cached) plan of quantizing a [M, K] ``dtype`` tensor on ``device`` into ``directions``."""
+    if device.type == "cuda":  # whether the kernels run depends on DTQ_DISABLE_KERNELS (tests flip it)
+        from dtq import kernels
+
+        key = (q, directions, shape, dtype, device, kernels.disabled_token())
+    else:
+        key = (q, directions, shape, dtype, device)
     plan = _plans.get(key)
     if plan is None:
-        subs = {d: q.for_direction(d) for d in directions}
-        for d, sub in subs.items():
-            codec_for(sub).check_shape(sub, shape, d)  # raises on every call with a bad shape: never cached
-        twins = q.aliases(tuple(subs))
-        plan = _Plan(subs, twins, tuple(d for d in subs if d not in twins),
-                     any(codec_for(s).uses_rng(s, d) for d, s in subs.items()),
-                     frozenset(codec_for(s).amax_space(s, d) for d, s in subs.items() if codec_for(s).needs_amax(s, d)))
+        plan = QuantizePlan(q, directions, shape, dtype, device)
         if len(_plans) > 4096:
             _plans.clear()
         _plans[key] = plan
@@ -351,40 +462,33 @@ def quantize_payloads(q: Quantizer, x: torch.Tensor, directions: tuple[str, ...]
                       amax=None, seed=None) -> dict[str, Payload]:
     """Payloads of ``directions`` for ``x`` (the engine behind ``Quantizer.quantize``)."""
     x2 = _as_2d(x, q)
-    shape = tuple(x2.shape)
-    plan = _plan(q, tuple(directions), shape)
-    subs = plan.subs
-    if plan.uses_rng:
-        if seed is None:
-            gen_device = x.device if x.device.type != "meta" else torch.device("cpu")
-            seed = torch.randint(0, 2**31 - 1, (), device=gen_device, dtype=torch.int64)
-        elif not isinstance(seed, torch.Tensor):
-            seed = torch.tensor(int(seed), dtype=torch.int64)
     xc = x2.contiguous()
+    plan = quantize_plan(q, tuple(directions), tuple(xc.shape), xc.dtype, xc.device)
+    return plan(xc, _given_amaxes(q, plan, amax, tuple(xc.shape), xc.device) if amax is not None else {},
+                _seed(seed, x) if plan.uses_rng else None)
+
+
+def _seed(seed, x: torch.Tensor) -> torch.Tensor:
+    """Stochastic rounding's seed: drawn from torch's generator of the input's device unless given
+    (activation recompute restores that RNG state, so it replays the same seed)."""
+    if seed is None:
+        gen_device = x.device if x.device.type != "meta" else torch.device("cpu")
+        return torch.randint(0, 2**31 - 1, (), device=gen_device, dtype=torch.int64)
+    return seed if isinstance(seed, torch.Tensor) else torch.tensor(int(seed), dtype=torch.int64)
+
+
+def _given_amaxes(q: Quantizer, plan: QuantizePlan, amax, shape: tuple[int, int], device) -> dict[str, torch.Tensor]:
     if isinstance(amax, torch.Tensor) and len(plan.amax_spaces) > 1:
         raise ValueError(f"{type(q).__name__}.quantize: one amax tensor was given, but its directions take their "
                          f"amax over different values ({sorted(plan.amax_spaces)}, e.g. the random-Hadamard columnwise "
                          "direction needs max|T x|); pass amax={direction: tensor}, as local_amax() returns")
-    twins, own = plan.twins, plan.own
     given = {}
-    if amax is not None:
-        for d in own:
-            sub = subs[d]
-            if codec_for(sub).needs_amax(sub, d):
-                a = amax if isinstance(amax, torch.Tensor) else amax.get(d)
-                if a is not None:
-                    given[d] = _given_amax(q, sub, d, a, shape).to(device=xc.device, dtype=torch.float32)
-    out = _kernel_payloads(q, plan, xc, given, seed)
-    for d in own:
-        if d in out:
-            continue
-        sub = subs[d]
-        codec = codec_for(sub)
-        a = None
-        if codec.needs_amax(sub, d):
-            a = given[d] if d in given else codec.local_amax(sub, xc, d).to(device=xc.device, dtype=torch.float32)
-        out[d] = codec.quantize(sub, xc, d, a, seed if codec.uses_rng(sub, d) else None)
-    return {d: dict(out[twins[d]]) if d in twins else out[d] for d in subs}
+    for d in plan.own:
+        if plan.needs_amax[d]:
+            a = amax if isinstance(amax, torch.Tensor) else amax.get(d)
+            if a is not None:
+                given[d] = _given_amax(q, plan.subs[d], d, a, shape).to(device=device, dtype=torch.float32)
+    return given
 
 
 def _given_amax(q: Quantizer, sub: Quantizer, direction: str, a: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
@@ -395,57 +499,6 @@ def _given_amax(q: Quantizer, sub: Quantizer, direction: str, a: torch.Tensor, s
                          f"{type(sub).__name__}; pass what local_amax() returns for this tensor, MAX-reduced "
                          "over the ranks that hold its other rows")
     return a.reshape(want)
-
-
-def _kernel_specs(q: Quantizer, plan: _Plan, shape: tuple[int, int], dtype: torch.dtype) -> tuple:
-    """``(specs, todo, vectors)`` of the fused kernel for the own directions: their KernelSpecs,
-    the directions needing a tensor-wide amax pass first, and those reading per-row / per-column
-    amaxes; decided once per quantizer, directions, shape and dtype."""
-    key = (q, plan.own, shape, dtype)
-    found = _kernel_plans.get(key)
-    if found is None:
-        specs = {}
-        for d in plan.own:
-            spec = codec_for(plan.subs[d]).kernel_spec(plan.subs[d], d, shape, dtype)
-            if spec is not None:
-                specs[d] = spec
-        vectors = {d: specs[d].amax_vector for d in specs if specs[d].amax_vector}
-        todo = tuple(d for d in specs if codec_for(plan.subs[d]).needs_amax(plan.subs[d], d) and d not in vectors)
-        found = (specs, todo, vectors)
-        if len(_kernel_plans) > 4096:
-            _kernel_plans.clear()
-        _kernel_plans[key] = found
-    return found
-
-
-def _kernel_payloads(q: Quantizer, plan: _Plan, xc: torch.Tensor, given: dict[str, torch.Tensor],
-                     seed) -> dict[str, Payload]:
-    """The payloads the CUDA kernels produce (one read of ``xc`` for all of them; a tensor-wide
-    amax pass first where a direction needs one and none was given); {} where they don't apply."""
-    if not xc.is_cuda or xc.numel() == 0:
-        return {}
-    from dtq import kernels
-
-    if xc.dtype not in kernels.INPUT_DTYPES or not kernels.available(xc.device):
-        return {}
-    specs, todo, vectors = _kernel_specs(q, plan, tuple(xc.shape), xc.dtype)
-    if not specs:
-        return {}
-    amaxes = dict(given)
-    todo = [d for d in todo if d not in given]
-    if todo:
-        signs = {specs[d].hadamard_signs for d in todo if specs[d].amax_space == "hadamard"}
-        want_x = any(specs[d].amax_space == "x" for d in todo)
-        ax, ah = kernels.amax(xc, want_x, next(iter(signs)) if signs else None)
-        for d in todo:
-            amaxes[d] = ah if specs[d].amax_space == "hadamard" else ax
-    missing = {v for d, v in vectors.items() if d not in given}
-    if missing:  # one read for every per-row / per-column amax not given
-        rows, cols = kernels.axis_amax(xc, "rows" in missing, "cols" in missing)
-        amaxes.update({d: rows if v == "rows" else cols for d, v in vectors.items() if d not in given})
-    for d in vectors:
-        amaxes[d] = amaxes[d].reshape(-1).contiguous()
-    return kernels.quantize(xc, specs, amaxes, seed)
 
 
 def shape_error(q: Quantizer, shape: tuple[int, int], direction: str, requirement: str) -> ValueError:

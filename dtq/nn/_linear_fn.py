@@ -17,7 +17,8 @@ from dtq.parallel import tp
 from dtq.parallel._torch_private import checkpoint_region
 from dtq.nn.gemm_state import GemmCall
 from dtq.recipe import QuantizerRole
-from dtq.tensor import QuantizedTensor
+from dtq.formats.base import QuantizedData
+from dtq.tensor import QUANTIZED, QuantizedTensor
 
 
 @dataclasses.dataclass
@@ -108,7 +109,7 @@ class Slot:
             amax = self._known_amax(x, known_amax, rowwise, columnwise) or None
         try:
             if group is None:
-                return self.quantizer.quantize(x, rowwise=rowwise, columnwise=columnwise, amax=amax)
+                return self.quantizer.quantize_data(x, rowwise=rowwise, columnwise=columnwise, amax=amax)
             dirs = [d for d, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if on]
             return tp.gather_along_first_dim(x, group, self.quantizer, rowwise=rowwise, columnwise=columnwise,
                                              amax=None if amax is None else {d: amax for d in dirs})
@@ -125,7 +126,7 @@ def flatten_saved(objs, keep: tuple = ()) -> tuple[list, list]:
     kernel or a reference filled them in."""
     flat, specs, index = [], [], {}
     for o in objs:
-        if isinstance(o, QuantizedTensor) and not any(o is k for k in keep):
+        if isinstance(o, QUANTIZED) and not any(o is k for k in keep):
             fields = []
             for d in o.directions:
                 payload = o.payload(d)
@@ -136,7 +137,7 @@ def flatten_saved(objs, keep: tuple = ()) -> tuple[list, list]:
                         flat.append(v)
                     fields.append((d, k, index[id(v)]))
             specs.append(("qt", tuple(o.shape), o.dtype, o.quantizer, o.shape2d, tuple(fields)))
-        elif isinstance(o, QuantizedTensor):
+        elif isinstance(o, QUANTIZED):
             specs.append(("obj", o))
         elif o is None:
             specs.append(("none",))
@@ -154,7 +155,7 @@ def unflatten_saved(flat, specs) -> list:
             payloads: dict = {}
             for d, k, i in fields:
                 payloads.setdefault(d, {})[k] = flat[i]
-            out.append(QuantizedTensor(shape, dtype, quantizer, payloads, shape2d=shape2d))
+            out.append(QuantizedData(shape, dtype, quantizer, payloads, shape2d))
         elif spec[0] == "obj":
             out.append(spec[1])
         elif spec[0] == "none":
@@ -165,13 +166,13 @@ def unflatten_saved(flat, specs) -> list:
 
 
 def _keep(t: torch.Tensor, direction: str) -> torch.Tensor:
-    if not isinstance(t, QuantizedTensor) or not t.has(direction) or t.directions == (direction,):
+    if not isinstance(t, QUANTIZED) or not t.has(direction) or t.directions == (direction,):
         return t
     return t.with_directions(direction)
 
 
 def _hp(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if isinstance(t, QuantizedTensor):
+    if isinstance(t, QUANTIZED):
         return t.dequantize(dtype)
     return t.__dtq_unwrap__().to(dtype) if hasattr(t, "__dtq_unwrap__") else t.to(dtype)
 
@@ -221,7 +222,7 @@ def fake_quantize(slot: Slot, x: torch.Tensor, rowwise: bool, columnwise: bool, 
             except ValueError as e:  # the message eager gives
                 raise ValueError(f"{slot.role}: {e}") from None
             payloads[d] = codec_for(sub).empty(sub, shape, d, x.device, x.dtype)
-    return QuantizedTensor(x.shape, x.dtype, q, payloads, requires_grad=False)
+    return QuantizedData(x.shape, x.dtype, q, payloads, device=x.device)
 
 
 def fake_mm(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
@@ -247,9 +248,9 @@ def linear_forward(call: GemmCall, x: torch.Tensor, weight: torch.Tensor, bias: 
     else:
         xq = quantize(sx, x2, rowwise=True, columnwise=bwd_cols and call.need_wgrad, replay=call.replay, group=gather,
                       sync=call.amax_sync, known_amax=x_amax)
-        if gather is not None and not isinstance(xq, QuantizedTensor):
+        if gather is not None and not isinstance(xq, QUANTIZED):
             x2 = xq  # gathered in high precision (no quantizer for the input)
-    if isinstance(wl, QuantizedTensor):
+    if isinstance(wl, QUANTIZED):
         wq = wl
     else:
         wq = quantize(sw, wl, rowwise=True, columnwise=bwd_cols and call.need_dgrad, replay=call.replay,
@@ -265,7 +266,7 @@ def linear_forward(call: GemmCall, x: torch.Tensor, weight: torch.Tensor, bias: 
         saved_x, saved_w = x2, wl
     else:  # "dequantized": exactly the forward operands
         saved_x, saved_w = _keep(xq, ROWWISE), _keep(wq, ROWWISE)
-    if isinstance(wl, QuantizedTensor):
+    if isinstance(wl, QUANTIZED):
         # A quantized weight parameter is kept as the object itself: under FSDP2 its payloads
         # are refilled by the backward all-gather (columnwise, or what the override needs).
         saved_w = wl
@@ -292,7 +293,7 @@ def linear_backward(call: GemmCall, dy: torch.Tensor, saved_x, saved_w, x_shape:
         gq = sg.quantize(dy2, rowwise=need_dgrad, columnwise=need_wgrad, group=scatter, sync=call.amax_sync,
                          known_amax=known)
         if need_dgrad:
-            if isinstance(saved_w, QuantizedTensor) and not saved_w.has(COLUMNWISE):
+            if isinstance(saved_w, QUANTIZED) and not saved_w.has(COLUMNWISE):
                 raise RuntimeError(f"dtq: {call.name}: the weight has no columnwise payload for dgrad (it holds "
                                    f"{list(saved_w.directions)}). Quantize the weight with both directions, or "
                                    "train it under a recipe with backward_override")
@@ -314,9 +315,9 @@ def linear_backward(call: GemmCall, dy: torch.Tensor, saved_x, saved_w, x_shape:
             g = dy2.float()
             if need_dgrad:
                 dx = g.mm(saved_w.dequantize(torch.float32, direction=ROWWISE)
-                          if isinstance(saved_w, QuantizedTensor) else _hp(saved_w, torch.float32)).to(x_dtype)
+                          if isinstance(saved_w, QUANTIZED) else _hp(saved_w, torch.float32)).to(x_dtype)
             if need_wgrad:
-                xd = (saved_x.dequantize(torch.float32, direction=ROWWISE) if isinstance(saved_x, QuantizedTensor)
+                xd = (saved_x.dequantize(torch.float32, direction=ROWWISE) if isinstance(saved_x, QUANTIZED)
                       else _hp(saved_x, torch.float32))
                 dw = xd.t().mm(g).t().to(w_dtype)
     if need_bgrad:

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import torch
 
+from dtq._library import define
 from dtq.nn import _linear_fn as lf
 from dtq.nn.gemm_state import GemmCall, GemmHandle, GemmSlots, template
 from dtq.parallel._torch_private import in_backward
-from dtq.tensor import QuantizedTensor, _implements
+from dtq.tensor import QUANTIZED, QuantizedTensor, _implements
 
 
 def _unaliased(flat: list, inputs: tuple) -> list:
@@ -57,7 +58,7 @@ def _layout(key: int, need_dgrad: bool, need_wgrad: bool, x, weight, has_x_amax:
     """The saved-operand specs (``flatten_saved``) of a forward call, from a run of the forward
     on empty meta tensors (the bias changes only y): what ``dtq::linear_backward`` unflattens
     its saved list with."""
-    fields, wkey = _weight_fields(weight) if isinstance(weight, QuantizedTensor) else ([], 0)
+    fields, wkey = _weight_fields(weight) if isinstance(weight, QUANTIZED) else ([], 0)
     k = (key, need_dgrad, need_wgrad, tuple(x.shape), x.dtype, tuple(weight.shape), weight.dtype, wkey, has_x_amax)
     specs = _layouts.get(k)
     if specs is None:
@@ -106,8 +107,7 @@ def _forward(x, weight, bias, x_amax, handle, key, need_dgrad, need_wgrad, no_gr
     return [y, *_unaliased(flat, (x, weight, bias, x_amax))]
 
 
-@torch.library.custom_op("dtq::linear", mutates_args=())
-def linear(x: torch.Tensor, weight: torch.Tensor, w_fields: list[torch.Tensor], wkey: int, bias: torch.Tensor | None,
+def _linear_impl(x: torch.Tensor, weight: torch.Tensor, w_fields: list[torch.Tensor], wkey: int, bias: torch.Tensor | None,
            x_amax: torch.Tensor | None, handle: GemmHandle, key: int, need_dgrad: bool, need_wgrad: bool,
            no_grad_trainable: bool, recompute_only: bool) -> list[torch.Tensor]:
     """``[y, *saved]``: the forward of one GEMM of ``handle``'s module, traced with the slots
@@ -118,15 +118,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, w_fields: list[torch.Tensor], 
                     no_grad_trainable, recompute_only, fake=False)
 
 
-@linear.register_fake
 def _linear_fake(x, weight, w_fields, wkey, bias, x_amax, handle, key, need_dgrad, need_wgrad, no_grad_trainable,
                  recompute_only):
     return _forward(x, _weight(weight, w_fields, wkey), bias, x_amax, handle, key, need_dgrad, need_wgrad,
                     no_grad_trainable, recompute_only, fake=True)
 
 
-@torch.library.custom_op("dtq::linear_backward", mutates_args=())
-def linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], weight: torch.Tensor, w_fields: list[torch.Tensor],
+def _linear_backward_impl(dy: torch.Tensor, saved: list[torch.Tensor], weight: torch.Tensor, w_fields: list[torch.Tensor],
                     wkey: int, handle: GemmHandle, key: int, need_dgrad: bool, need_wgrad: bool, need_bgrad: bool,
                     x_shape: list[int], x_dtype: torch.dtype, has_x_amax: bool) -> list[torch.Tensor]:
     """``[dx?, dw?, db?]`` (those asked for, in that order) of ``dtq::linear``."""
@@ -145,7 +143,6 @@ def linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], weight: torch.T
     return [g.contiguous() for g in grads if g is not None]
 
 
-@linear_backward.register_fake
 def _linear_backward_fake(dy, saved, weight, w_fields, wkey, handle, key, need_dgrad, need_wgrad, need_bgrad, x_shape,
                           x_dtype, has_x_amax):
     w = _weight(weight, w_fields, wkey)
@@ -169,25 +166,20 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grads):
     need_dgrad, need_wgrad, need_bgrad = ctx.args[2:5]
     weight, *saved = ctx.saved_tensors
-    out = iter(torch.ops.dtq.linear_backward(grads[0], saved, weight, [], 0, *ctx.args))
+    out = iter(linear_backward(grads[0], saved, weight, [], 0, *ctx.args))
     dx = next(out) if need_dgrad else None
     dw = next(out) if need_wgrad else None
     db = next(out) if need_bgrad else None
     return dx, dw, [], None, db, None, None, None, None, None, None, None  # w_fields: always [] at this level
 
 
-linear.register_autograd(_backward, setup_context=_setup_context)
-
-
-@torch.library.custom_op("dtq::dequantize_weight", mutates_args=())
-def dequantize_weight(weight: torch.Tensor, w_fields: list[torch.Tensor], wkey: int, dtype: torch.dtype) -> torch.Tensor:
+def _dequantize_weight_impl(weight: torch.Tensor, w_fields: list[torch.Tensor], wkey: int, dtype: torch.dtype) -> torch.Tensor:
     """A quantized weight in high precision (a GEMM outside dtq.autocast), as eager's
     ``DequantizeWeight`` computes it; its gradient passes to the parameter unchanged."""
     out = _weight(weight, w_fields, wkey).dequantize(dtype)
     return out.clone() if any(torch._C._is_alias_of(out, f) for f in w_fields) else out
 
 
-@dequantize_weight.register_fake
 def _dequantize_weight_fake(weight, w_fields, wkey, dtype):
     return torch.empty(_weight(weight, w_fields, wkey).shape, dtype=dtype, device=w_fields[0].device)
 
@@ -200,10 +192,12 @@ def _dequantize_grad(ctx, grad):
     return grad, [], None, None
 
 
-dequantize_weight.register_autograd(_dequantize_grad, setup_context=_dequantize_setup)
+linear_backward = define("linear_backward", _linear_backward_impl, _linear_backward_fake)
+linear = define("linear", _linear_impl, _linear_fake, backward=_backward, setup_context=_setup_context)
+dequantize_weight = define("dequantize_weight", _dequantize_weight_impl, _dequantize_weight_fake,
+                           backward=_dequantize_grad, setup_context=_dequantize_setup)
 
-_WEIGHT_ARG = {torch.ops.dtq.linear.default: 1, torch.ops.dtq.linear_backward.default: 2,
-               torch.ops.dtq.dequantize_weight.default: 0}
+_WEIGHT_ARG = {linear: 1, linear_backward: 2, dequantize_weight: 0}
 
 
 @_implements(list(_WEIGHT_ARG))

@@ -22,6 +22,7 @@ import dataclasses
 import torch
 
 from dtq import kernels
+from dtq._library import define
 
 
 def _halves(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,28 +106,24 @@ class _SwiGLU(torch.autograd.Function):
         return swiglu_backward_reference(dh, x, ctx.block), None, None
 
 
-@torch.library.custom_op("dtq::swiglu", mutates_args=())
-def _swiglu_op(x: torch.Tensor, block: int) -> torch.Tensor:
+def _swiglu_impl(x: torch.Tensor, block: int) -> torch.Tensor:
     """The compiled path of :func:`swiglu`: the eager kernel (or reference) as one opaque op, so
     compiled bits are the eager ones."""
     return _SwiGLU.forward(_NoCtx(), x, block, None)
 
 
-@_swiglu_op.register_fake
-def _(x, block):
+def _swiglu_fake(x, block):
     return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
 
 
-@torch.library.custom_op("dtq::swiglu_backward", mutates_args=())
-def _swiglu_backward_op(dh: torch.Tensor, x: torch.Tensor, block: int) -> torch.Tensor:
+def _swiglu_backward_impl(dh: torch.Tensor, x: torch.Tensor, block: int) -> torch.Tensor:
     ctx = _NoCtx()
     ctx.saved_tensors, ctx.block, ctx.link = (x,), block, None
     with torch.no_grad():
         return _SwiGLU.backward(ctx, dh)[0]
 
 
-@_swiglu_backward_op.register_fake
-def _(dh, x, block):
+def _swiglu_backward_fake(dh, x, block):
     return torch.empty_like(x)
 
 
@@ -145,10 +142,11 @@ def _swiglu_setup(ctx, inputs, output):
 
 def _swiglu_grad(ctx, dh):
     (x,) = ctx.saved_tensors
-    return torch.ops.dtq.swiglu_backward(dh, x, ctx.block), None
+    return _swiglu_backward_op(dh, x, ctx.block), None
 
 
-_swiglu_op.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
+_swiglu_backward_op = define("swiglu_backward", _swiglu_backward_impl, _swiglu_backward_fake)
+_swiglu_op = define("swiglu", _swiglu_impl, _swiglu_fake, backward=_swiglu_grad, setup_context=_swiglu_setup)
 
 
 def swiglu(x: torch.Tensor, block: int | None = None, *, link: AmaxLink | None = None) -> torch.Tensor:

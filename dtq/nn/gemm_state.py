@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch._library.opaque_object import register_opaque_type
@@ -176,12 +176,11 @@ def gemm_roles(module_type: str, name: str) -> list:
     return [QuantizerRole(module_type, tt, name) for tt in TENSOR_TYPES]
 
 
-@dataclasses.dataclass(frozen=True)
-class GemmCall:
+class GemmCall(NamedTuple):
     """One call of one GEMM: its slots, which gradients backward computes (grad mode and
     requires_grad included, so no payload is built in vain), whether this forward is a recompute,
     the amax reduction of delayed scaling, the fused-kernel amax link (``dtq.nn.functional``), and
-    the tensor-parallel split (``tp`` over ``group``)."""
+    the tensor-parallel split (``tp`` over ``group``). A tuple: made on every GEMM call."""
 
     slots: GemmSlots
     need_dgrad: bool
@@ -198,7 +197,7 @@ class GemmCall:
 
     @property
     def override(self) -> str | None:
-        return self.slots.override
+        return self.slots.recipe.backward_override
 
 
 def _warn_without_recipe(name: str, weight: torch.Tensor) -> None:

@@ -71,9 +71,9 @@ class QuantizedModule(torch.nn.Module):
     def _slots(self, recipe: Recipe, gemm: int) -> GemmSlots:
         """The (input, weight, grad_output) slots of one GEMM under ``recipe``; the factory is asked
         once per slot and recipe (the last few recipes are remembered)."""
-        slots = self._slot_cache.get(recipe)
+        slots = self._slot_cache.get(recipe.key)  # an int: equal recipes share it, hashing it costs nothing
         if slots is None:
-            slots = self._slot_cache[recipe] = self._build_slots(recipe)
+            slots = self._slot_cache[recipe.key] = self._build_slots(recipe)
             while len(self._slot_cache) > 8:
                 self._slot_cache.pop(next(iter(self._slot_cache)))
         return slots[gemm]
