@@ -226,9 +226,6 @@ def _check_llama_fsdp2(rank, world):
             model(input_ids=ids, labels=ids)
 
 
-def test_transformers_llama_under_fsdp2_keeps_lm_head_and_names_it():
-    pytest.importorskip("transformers")
-    spawn(_check_llama_fsdp2, 2, backend="gloo")
 
 
 # -- symptom 6: dtq.nn.Linear is an nn.Linear; subclasses ----------------------------------------
@@ -285,7 +282,15 @@ def _check_torch_styles(rank, world):
     assert all(torch.equal(a, b) for a, b in zip(torch_styles, dtq_styles))
 
 
-def test_torch_tp_styles_drive_dtq_linear():
-    """torch's ColwiseParallel / RowwiseParallel accept dtq.nn.Linear and give bitwise what dtq's
-    own styles give (quantized GEMMs on the local shards)."""
-    spawn(_check_torch_styles, 2, backend="gloo")
+def _check_two_ranks(rank, world):
+    _check_llama_fsdp2(rank, world)
+    _check_torch_styles(rank, world)
+
+
+def test_two_ranks_llama_fsdp2_names_lm_head_and_torch_tp_styles_drive_dtq_linear():
+    """One spawn for both 2-rank checks: (5) a transformers Llama converted with the defaults
+    under FSDP2 keeps and names lm_head, and errors name it by full name; (6) torch's
+    ColwiseParallel / RowwiseParallel accept dtq.nn.Linear and give bitwise what dtq's own styles
+    give (quantized GEMMs on the local shards)."""
+    pytest.importorskip("transformers")
+    spawn(_check_two_ranks, 2, backend="gloo")
