@@ -124,7 +124,29 @@ def time_variant(build, recipe, x, args, device) -> dict:
                 step()
             samples.append((time.perf_counter() - t0) * 1e3 / args.inner)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    if args.profile:
+        print_kernels(step, device, args.profile)
     return {"ms": statistics.median(samples), "peak_gib": peak}
+
+
+def print_kernels(step, device, top: int) -> None:
+    """The ``top`` GPU kernels of two steps by total time (ms per step), to see where a variant
+    spends its device time beyond the GEMMs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == ("CUDA" if device.type == "cuda" else "CPU")]
+    total = sum(e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total for e in events)
+    print(f"    device time per step {total / 2e3:.2f} ms; top kernels (ms/step, calls/step):")
+    events.sort(key=lambda e: -(e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total))
+    for e in events[:top]:
+        t = e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total
+        print(f"    {t / 2e3:8.3f} {e.count / 2:6.0f}  {e.key[:110]}")
 
 
 def commit() -> str:
@@ -151,6 +173,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--inner", type=int, default=5)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also print each variant's N most expensive GPU kernels")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default="")
     args = p.parse_args()

@@ -11,7 +11,7 @@ Llama-style model (attention + SwiGLU blocks, AdamW) per parameter mode, in one 
     torchrun --nproc-per-node 4 bench/bench_fsdp.py --out bench/results_fsdp_h200x4.json
 
 Bytes are counted at the collectives (every all-gather output and reduce-scatter input FSDP2
-issues, per rank: ``launch.metrics.CollectiveBytes``), so every mode is measured the same way.
+issues, per rank: ``dtq.launch.metrics.CollectiveBytes``), so every mode is measured the same way.
 """
 
 from __future__ import annotations
@@ -19,10 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pathlib
 import statistics
 import subprocess
-import sys
 import time
 
 import torch
@@ -31,9 +29,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
 import dtq
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repo root: launch/
-from launch.metrics import CollectiveBytes  # noqa: E402  (counts bytes at torch.distributed's collectives)
+from dtq.launch.metrics import CollectiveBytes  # counts bytes at torch.distributed's collectives
 
 
 class Block(torch.nn.Module):

@@ -26,6 +26,12 @@ E8M0_BIAS = 127
 E8M0_NAN = 0xFF
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """1-byte float codes (FP8) viewed as uint8: collectives (gloo has no FP8) and checkpoints
+    move them as bytes. Other tensors are returned as they are."""
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
+
+
 def check_fp8_dtype(dtype: torch.dtype, owner: str) -> None:
     if dtype not in FP8_MAX:
         raise ValueError(

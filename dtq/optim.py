@@ -1,13 +1,20 @@
-"""``dtq.optim.MasterWeightOptimizer``: FP32 master weights for quantized parameters."""
+"""``dtq.optim.MasterWeightOptimizer``: FP32 master weights for quantized parameters; and a step
+pre-hook on every torch optimizer that warns once when one updates quantized parameters itself."""
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Mapping, MutableMapping
 from typing import Any, Iterable
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from dtq.nn.module import LIVE_MODULES
 from dtq.parallel.master import quantize_master_weights
-from dtq.tensor import QuantizedTensor
+from dtq.tensor import QuantizedTensor, warn_once
+
+MASTER = "master"  # the state entry that holds a quantized parameter's FP32 master weight
 
 
 def _is_quantized(p: torch.Tensor) -> bool:
@@ -26,29 +33,136 @@ def _fp32_master(p: torch.Tensor) -> torch.nn.Parameter:
     return torch.nn.Parameter(p.dequantize(torch.float32))
 
 
+class _Group(MutableMapping):
+    """One parameter group as torch's optimizer API shows it: the model's parameters under
+    ``"params"`` (what DCP's state-dict helpers map to fully qualified names), every setting read
+    and written live in the inner optimizer's group (the one it steps with; LR schedulers set it;
+    its ``load_state_dict`` replaces the group dicts, so they are looked up on each access)."""
+
+    def __init__(self, owner: "MasterWeightOptimizer", index: int):
+        self._owner, self._index = owner, index
+
+    def _inner(self) -> dict:
+        return self._owner.inner.param_groups[self._index]
+
+    def __getitem__(self, key: str) -> Any:
+        return self._owner._group_params[self._index] if key == "params" else self._inner()[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == "params":
+            raise TypeError("MasterWeightOptimizer: a group's parameters are fixed; add others with add_param_group")
+        self._inner()[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._inner()[key]
+
+    def __iter__(self):
+        return iter(self._inner())
+
+    def __len__(self) -> int:
+        return len(self._inner())
+
+    def __repr__(self) -> str:
+        return repr({k: (f"<{len(v)} parameters>" if k == "params" else v) for k, v in self.items()})
+
+
+class _ParamState(MutableMapping):
+    """A quantized parameter's optimizer state: the inner optimizer's state of its master, and the
+    master itself under ``"master"``."""
+
+    def __init__(self, inner: dict, master: torch.Tensor):
+        self._inner, self._master = inner, master
+
+    def __getitem__(self, key: str) -> Any:
+        return self._master if key == MASTER else self._inner[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == MASTER:
+            with torch.no_grad():
+                self._master.copy_(value)
+        else:
+            self._inner[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        if key == MASTER:
+            raise KeyError("the master weight of a quantized parameter cannot be removed")
+        del self._inner[key]
+
+    def __iter__(self):
+        return iter([*self._inner, MASTER])
+
+    def __len__(self) -> int:
+        return len(self._inner) + 1
+
+
+class _State(Mapping):
+    """``optimizer.state`` keyed by the model's parameters, as torch's optimizers key it. Every
+    parameter has an entry (so DCP's helpers never run their own initializing step, which would
+    requantize the masters); reading one materializes the inner optimizer's lazy state."""
+
+    def __init__(self, owner: "MasterWeightOptimizer"):
+        self._owner = owner
+
+    def __getitem__(self, p: torch.Tensor) -> Any:
+        owner = self._owner
+        inner_p = owner._inner_param.get(id(p))
+        if inner_p is None:
+            raise KeyError("not a parameter of this MasterWeightOptimizer")
+        owner._init_state()
+        st = owner.inner.state[inner_p]
+        return _ParamState(st, inner_p) if id(p) in owner._master_of else st
+
+    def __iter__(self):
+        return iter(self._owner.params)
+
+    def __len__(self) -> int:
+        return len(self._owner.params)
+
+
 class MasterWeightOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer_cls``: it updates FP32 masters of the quantized parameters (and the other
     parameters directly); after each ``step()`` the masters are cast back into the quantized
     parameters' payloads with one batched amax all-reduce (``quantize_master_weights``).
-    ``state_dict()`` holds the inner optimizer's state and the masters (DTensors under FSDP2), so
-    ``torch.distributed.checkpoint`` can save and reshard it."""
+
+    Towards the outside it is keyed by the model's parameters, as torch's optimizers are:
+    ``param_groups`` list them (the settings are the inner optimizer's), and ``state_dict()`` has
+    torch's layout, the inner optimizer's state per parameter plus each quantized parameter's
+    master under ``"master"`` (DTensors under FSDP2). So ``torch.distributed.checkpoint`` saves
+    and reshards it, and its state-dict helpers (``get_optimizer_state_dict``) name each entry by
+    the parameter's fully qualified name."""
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict], optimizer_cls: type[torch.optim.Optimizer],
                  **optimizer_kwargs: Any):
-        groups = list(params)
-        if groups and isinstance(groups[0], dict):  # parameter groups, as torch optimizers take them
-            groups = [dict(g, params=list(g["params"])) for g in groups]
-        else:
-            groups = [{"params": groups}]
-        self.params = [p for g in groups for p in g["params"]]
-        if not self.params:
+        groups = _groups(params)
+        if not any(g["params"] for g in groups):
             raise ValueError("MasterWeightOptimizer got no parameters")
-        self.quantized = [p for p in self.params if _is_quantized(p)]
-        self.masters = [_fp32_master(p) for p in self.quantized]
-        by_id = {id(p): m for p, m in zip(self.quantized, self.masters)}
-        self.inner = optimizer_cls([dict(g, params=[by_id.get(id(p), p) for p in g["params"]]) for g in groups],
-                                   **optimizer_kwargs)
+        self.params: list[torch.Tensor] = []
+        self.quantized: list[torch.Tensor] = []
+        self.masters: list[torch.nn.Parameter] = []
+        self._group_params: list[list[torch.Tensor]] = []
+        self._master_of: dict[int, torch.nn.Parameter] = {}
+        self._inner_param: dict[int, torch.Tensor] = {}
+        self._state_ready = False
+        inner_groups = [self._adopt(g) for g in groups]
+        self.inner = optimizer_cls(inner_groups, **optimizer_kwargs)
         self.defaults = self.inner.defaults
+
+    def _adopt(self, group: dict) -> dict:
+        """Take a group's parameters on (an FP32 master for each quantized one); returns the group
+        the inner optimizer steps: the same settings, masters instead of quantized parameters."""
+        self._group_params.append(group["params"])
+        for p in group["params"]:
+            self.params.append(p)
+            if _is_quantized(p):
+                m = _fp32_master(p)
+                self.quantized.append(p)
+                self.masters.append(m)
+                self._master_of[id(p)] = m
+            self._inner_param[id(p)] = self._master_of.get(id(p), p)
+        return dict(group, params=[self._inner_param[id(p)] for p in group["params"]])
+
+    def add_param_group(self, param_group: dict) -> None:
+        self.inner.add_param_group(self._adopt(_groups([param_group])[0]))
 
     def register_step_pre_hook(self, hook):
         """Hooks run around the inner optimizer's step (on the FP32 masters), before the cast."""
@@ -62,16 +176,17 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-
-    # The inner optimizer's groups and state, read live: load_state_dict replaces them there, and
-    # LR schedulers must act on the groups the inner optimizer steps with.
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
+        # Ids change in a copy; the lists keep the order they were built in.
+        self._master_of = {id(p): m for p, m in zip(self.quantized, self.masters)}
+        self._inner_param = {id(p): self._master_of.get(id(p), p) for p in self.params}
 
     @property
-    def state(self):
-        return self.inner.state
+    def param_groups(self) -> list:
+        return [_Group(self, i) for i in range(len(self.inner.param_groups))]
+
+    @property
+    def state(self) -> Mapping:
+        return _State(self)
 
     def _pull_grads(self) -> None:
         for p, m in zip(self.quantized, self.masters):
@@ -98,7 +213,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     def _init_state(self) -> None:
         """Materialize the inner optimizer's lazily created state (one step at lr 0 on zero
         gradients), so that a fresh optimizer's state_dict() has every entry dcp.load fills."""
-        if self.inner.state:
+        if self._state_ready or self.inner.state:
+            self._state_ready = True
             return
         touched = []
         for group in self.inner.param_groups:
@@ -117,25 +233,114 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 st["step"] = torch.zeros_like(st["step"]) if isinstance(st["step"], torch.Tensor) else 0
         for p in touched:
             p.grad = None
+        self._state_ready = True
 
     def state_dict(self) -> dict:
+        """torch's layout: ``{"state": {index: {...}}, "param_groups": [...]}``, indices in the
+        order of ``param_groups``; a quantized parameter's state holds its master."""
         self._init_state()
-        return {"inner": self.inner.state_dict(), "masters": [m.detach() for m in self.masters]}
+        sd = self.inner.state_dict()
+        for i, p in enumerate(self.params):
+            if id(p) in self._master_of:  # a new dict: the inner one is the inner optimizer's live state
+                sd["state"][i] = {**sd["state"].get(i, {}), MASTER: self._master_of[id(p)].detach()}
+        return sd
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
-        masters = state_dict["masters"]
+        """Load ``state_dict()``'s layout (state keyed by index, or by name as DCP's helpers pass
+        it, matched by position in ``param_groups``), or the earlier ``{"inner", "masters"}`` one."""
+        if "inner" in state_dict and "masters" in state_dict:
+            masters, inner = list(state_dict["masters"]), state_dict["inner"]
+        else:
+            masters, inner = self._split_masters(state_dict)
         if len(masters) != len(self.masters):
             raise ValueError(f"MasterWeightOptimizer.load_state_dict: {len(masters)} masters in the state dict, "
                              f"{len(self.masters)} quantized parameters here")
         for m, saved in zip(self.masters, masters):
             m.copy_(saved)
-        self.inner.load_state_dict(state_dict["inner"])
+        self.inner.load_state_dict(inner)
         if self.quantized:
             quantize_master_weights(self.quantized, [_local_of(m) for m in self.masters])
+
+    def _split_masters(self, state_dict: dict) -> tuple[list, dict]:
+        keys = [k for g in state_dict["param_groups"] for k in g["params"]]
+        if len(keys) != len(self.params):
+            raise ValueError(f"MasterWeightOptimizer.load_state_dict: the state dict has {len(keys)} parameters, "
+                             f"this optimizer {len(self.params)}")
+        state, masters = dict(state_dict["state"]), []
+        for key, p in zip(keys, self.params):
+            if id(p) not in self._master_of:
+                continue
+            st = dict(state.get(key, {}))
+            if MASTER not in st:
+                raise KeyError(f"MasterWeightOptimizer.load_state_dict: parameter {key!r} (shape {list(p.shape)}) is "
+                               f"quantized here but the state dict holds no master weight for it; was it saved from "
+                               f"a model with high-precision parameters?")
+            masters.append(st.pop(MASTER))
+            state[key] = st
+        return masters, {"state": state, "param_groups": state_dict["param_groups"]}
+
+
+def _groups(params) -> list[dict]:
+    """Parameter groups as torch's optimizers take them: a list of tensors or of group dicts."""
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    groups = list(params)
+    if groups and isinstance(groups[0], dict):
+        return [dict(g, params=[g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"]))
+                for g in groups]
+    return [{"params": groups}]
 
 
 def _local_of(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+# -- plain optimizers on quantized parameters ---------------------------------------------------
+
+_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+
+
+def _warn_if_stepping_quantized(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Step pre-hook of every torch optimizer: one that updates a quantized parameter itself
+    rounds each update to the format's grid, so updates smaller than half the gap between
+    neighbouring codes vanish without an error. Warn once; each optimizer is looked at until its
+    quantized parameters have gradients, or once if it has none."""
+    if isinstance(optimizer, MasterWeightOptimizer) or torch.compiler.is_compiling():
+        return
+    groups = optimizer.param_groups
+    count = sum(len(g["params"]) for g in groups)
+    if _checked.get(optimizer) == count:
+        return
+    quantized = [(i, j, p) for i, g in enumerate(groups) for j, p in enumerate(g["params"]) if _is_quantized(p)]
+    stepped = [(i, j, p) for i, j, p in quantized if p.grad is not None]
+    if stepped:
+        i, j, p = stepped[0]
+        q = _local_of(p).quantizer
+        cls = type(optimizer)
+        path = f"torch.optim.{cls.__name__}" if cls.__module__.startswith("torch.optim") else \
+            f"{cls.__module__}.{cls.__qualname__}"
+        warn_once("optimizer-steps-quantized",
+                  f"dtq: {type(optimizer).__name__} updates {len(stepped)} quantized parameter(s) in place, the first "
+                  f"{_param_name(p) or '(a parameter of no live dtq module)'} (param_groups[{i}]['params'][{j}], "
+                  f"shape {list(p.shape)}, {type(q).__name__}): each update is "
+                  f"rounded to the format's codes, so small updates are lost. Step quantized parameters with "
+                  f"dtq.optim.MasterWeightOptimizer(params, {path}, ...), which "
+                  f"updates FP32 master weights and casts them into the parameters.")
+    if stepped or not quantized:
+        _checked[optimizer] = count
+
+
+def _param_name(p: torch.Tensor) -> str | None:
+    """``<module name>.<weight>`` of the dtq module that holds ``p``; dtq.convert names each module
+    by its fully qualified name."""
+    for m in list(LIVE_MODULES):
+        for w in m.weight_names():
+            if m._parameters.get(w) is p:
+                return f"{m.name or type(m).__name__}.{w}"
+    return None
+
+
+register_optimizer_step_pre_hook(_warn_if_stepping_quantized)

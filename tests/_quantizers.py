@@ -2,7 +2,7 @@
 
 Nothing here calls into dtq's codecs for the facts it checks: payload layouts (which logical rows
 one payload row covers) and reference dequantization are written from the format docstrings and
-DESIGN.md section 2, so the tests compare dtq against an independent reading of the contract.
+docs/design.md section 2, so the tests compare dtq against an independent reading of the contract.
 """
 
 from __future__ import annotations

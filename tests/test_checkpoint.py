@@ -1,4 +1,4 @@
-"""Checkpoints hold codes, not values (DESIGN 5.6): torch.distributed.checkpoint saves payloads,
+"""Checkpoints hold codes, not values (docs/design.md §5.6): torch.distributed.checkpoint saves payloads,
 loads them bit for bit (also resharded), resumes training bitwise, and refuses mismatches."""
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from dtq.testing import spawn
-from launch import checkpointing
-from launch import train as train_mod
+from dtq.launch import checkpointing
+from dtq.launch import train as train_mod
 from test_train import ROOT, TINY, _env, _records
 
 # One step of the README's tiny config on a little data: a real run in a few seconds.
@@ -45,7 +45,7 @@ def test_fresh_run_into_an_out_dir_with_checkpoints_is_refused_and_overwrite_sta
     assert len(lines) == 1, out[-3000:]  # rank 0 says it once; no rank prints a traceback
     assert str(tmp_path) in lines[0] and "step 5" in lines[0]
     assert "--resume" in lines[0] and "--overwrite" in lines[0]
-    assert 'launch/train.py", line' not in out, out[-3000:]
+    assert 'dtq/launch/train.py", line' not in out, out[-3000:]
     # A refused run touches nothing.
     assert (tmp_path / "checkpoints" / "step_00000005" / ".metadata").read_bytes() == b"old run"
     assert (tmp_path / "metrics.jsonl").read_text() == old_metrics
@@ -59,10 +59,22 @@ def test_fresh_run_into_an_out_dir_with_checkpoints_is_refused_and_overwrite_sta
     assert len(_records(tmp_path, "config")) == 1
 
 
+def test_a_bad_override_under_torchrun_is_one_line_from_rank_0(tmp_path):
+    """A typed-override mistake is caught before any process group exists: rank 0 alone prints it,
+    as one line naming the key, and no rank prints a traceback."""
+    proc = _torchrun_proc(*ONE_STEP, "--out-dir", str(tmp_path), "--set", "train.recompute=maybe")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    lines = [line for line in out.splitlines() if "config:" in line]
+    assert lines == ["error: config: train.recompute = 'maybe': Input should be a valid boolean, unable to interpret "
+                     "input"], out[-3000:]
+    assert "dtq/launch/" not in out and "ValidationError" not in out, out[-3000:]
+
+
 def test_resume_with_overwrite_and_bad_configs_are_one_line_errors(capsys):
     for argv, message in [
         (["--resume", "--overwrite"], "error: config: --resume continues the run"),
-        (["--set", "train.steps=0"], "error: config: train.steps = 0 must be > 0"),
+        (["--set", "train.steps=0"], "error: config: train.steps = 0: Input should be greater than 0"),
     ]:
         with pytest.raises(SystemExit) as e:
             train_mod.main(argv)
@@ -154,3 +166,46 @@ def test_latest_ignores_temporary_dirs_and_a_start_tidies_them(tmp_path):
     assert sorted(p.name for p in removed) == ["step_00000001.old-99ff", "step_00000009.tmp-0a1b2c3d"]
     assert sorted(os.listdir(root)) == ["step_00000001", "step_00000002", "step_00000004"]
     assert (root / "step_00000001" / ".metadata").read_bytes() == b"step_00000001"
+
+
+def test_prune_keeps_the_newest_committed_checkpoints(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3, 10):
+        (root / f"step_{step:08d}").mkdir(parents=True)
+        (root / f"step_{step:08d}" / ".metadata").write_bytes(b"x")
+    (root / "step_00000011.tmp-0a1b").mkdir()  # a save in progress is not a checkpoint yet
+    assert checkpointing.prune(tmp_path, 0) == []  # 0: keep all
+    assert sorted(p.name for p in checkpointing.prune(tmp_path, 2)) == ["step_00000001", "step_00000002"]
+    assert sorted(os.listdir(root)) == ["step_00000003", "step_00000010", "step_00000011.tmp-0a1b"]
+
+
+def test_keep_checkpoints_and_a_recipe_change_at_resume(tmp_path, monkeypatch, capsys):
+    """``train.keep_checkpoints`` keeps the newest k; resuming under another recipe warns once and
+    marks the step in metrics.jsonl (the log then holds two recipes), and is refused with quantized
+    parameters, whose checkpoint holds the old recipe's formats. In this process, one rank."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(var, "0")  # the trainer sets these for its group: restored after the test
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # leaves this process's threads alone
+    args = ["--launcher", "single", "--config", str(ROOT / TINY[2]), "--set", "model.layers=1", "--set",
+            "model.seq_len=64", "--set", "data.max_bytes=300000", "--set", "train.eval_batches=1", "--set",
+            "train.checkpoint_every=1", "--set", "train.keep_checkpoints=1", "--out-dir", str(tmp_path)]
+    steps = lambda: sorted(checkpointing.step_of(p) for p in (tmp_path / "checkpoints").iterdir())  # noqa: E731
+
+    train_mod.main([*args, "--steps", "2", "--recipe", "bf16"])
+    assert steps() == [2]
+    assert checkpointing.read_run_info(checkpointing.latest(tmp_path))["recipe"] == "bf16"
+    capsys.readouterr()
+
+    train_mod.main([*args, "--steps", "3", "--recipe", "fp8", "--resume"])
+    out = capsys.readouterr()
+    assert "resumed at step 2" in out.out and out.err.count("warning: --resume") == 1, out.err
+    assert "train.recipe = 'bf16'" in out.err and "train.recipe = 'fp8'" in out.err
+    assert _records(tmp_path, "recipe_change") == [{"kind": "recipe_change", "step": 2,
+                                                    "changed": {"recipe": ["bf16", "fp8"]}}]
+    assert steps() == [3]
+
+    with pytest.raises(SystemExit) as e:
+        train_mod.main([*args, "--steps", "4", "--resume", "--set", "train.quantized_params=true"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: config: --resume: ") and err.count("\n") == 1, err
+    assert "cannot be loaded" in err and steps() == [3]

@@ -198,14 +198,14 @@ def test_forward_outside_autocast_while_a_recompute_is_pending_is_refused():
         compiled(x)
 
 
-def _fsdp_matrix(rank, world):
+def _fsdp_matrix(rank, world, recipe_names):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
     x = torch.randn(2, 16, H, generator=torch.Generator().manual_seed(30 + rank))
-    for recipe_name in ("none", "fp8", "fp8_delayed", "mxfp8", "nvfp4", "hybrid_mxfp8_nvfp4", "fp8_dequantized_bwd"):
+    for recipe_name in recipe_names:
         for quantized_params in (False, True) if recipe_name != "none" else (False,):
             for reshard in (True, False):
                 r = ALL[recipe_name]() if recipe_name != "none" else None  # none: identity-format gathers
@@ -242,15 +242,18 @@ def _fsdp_matrix(rank, world):
     dist.barrier()
 
 
-def test_fsdp2_over_fullgraph_compiled_blocks_equals_eager():
+@pytest.mark.parametrize("recipe_names", [("none", "fp8", "fp8_delayed", "fp8_dequantized_bwd"),
+                                          ("mxfp8", "nvfp4", "hybrid_mxfp8_nvfp4")], ids=["fp8", "mx_nvfp4"])
+def test_fsdp2_over_fullgraph_compiled_blocks_equals_eager(recipe_names):
     """FSDP2 (2 gloo ranks) over blocks compiled with fullgraph=True, then sharded: the losses of
     two training steps are bitwise those of the eager sharded model, for current, delayed, MX, NVFP4
     and hybrid recipes, high-precision and quantized parameters, and both
     reshard_after_forward settings (the backward gather refills other directions). (128x128 weight
-    blocks cannot be sharded at these sizes: the custom recipe runs single-process above.)"""
+    blocks cannot be sharded at these sizes: the custom recipe runs single-process above.) Two
+    spawns: each compiles 12-14 graph pairs, about two minutes on two cores."""
     from dtq.testing import spawn
 
-    spawn(_fsdp_matrix, 2)
+    spawn(_fsdp_matrix, 2, recipe_names, timeout=600)
 
 
 def test_blocks_of_one_structure_share_one_graph():
@@ -347,3 +350,41 @@ def test_a_recipe_made_anew_each_step_compiles_once():
 
     r = dtq.DelayedScaling(margin=1)
     assert pickle.loads(pickle.dumps(r)).key == r.key != dtq.DelayedScaling().key
+
+
+@pytest.mark.parametrize("recipe_name, traced", [("fp8", True), ("fp8_delayed", False), ("mxfp8", False)])
+def test_current_scaling_amaxes_are_traced_reductions(recipe_name, traced):
+    """Under current per-tensor scaling the compiled graph computes max|x| (forward) and max|dy|
+    (backward) as traced reductions handed to the GEMM ops, so inductor can fuse them into the
+    kernels producing x and dy (the ops then skip their own amax pass); delayed scaling and block
+    formats take no tensor amax. Outputs and gradients stay bitwise the eager ones."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    graphs = {}
+
+    def backend(gm, example_inputs):
+        def keep(kind):
+            def compiler(g, _):
+                graphs[kind] = g
+                return g
+            return compiler
+        return aot_module_simplified(gm, example_inputs, fw_compiler=keep("fw"), bw_compiler=keep("bw"))
+
+    recipe = ALL[recipe_name]()
+    torch.manual_seed(0)
+    m = dtq.nn.Linear(H, H)
+    x = torch.randn(32, H, requires_grad=True)
+    with dtq.autocast(recipe):
+        y = torch.compile(m, backend=backend, fullgraph=True)(x)
+    y.square().sum().backward()
+    got = (y.detach(), x.grad, m.weight.grad)
+    x.grad, m.weight.grad = None, None
+    with dtq.autocast(recipe):
+        y = m(x)
+    y.square().sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(got, (y.detach(), x.grad, m.weight.grad)))
+
+    def amaxes(g):
+        return sum(n.target == torch.ops.aten.amax.default for n in g.graph.nodes)
+
+    assert (amaxes(graphs["fw"]) > 0, amaxes(graphs["bw"]) > 0) == (traced, traced)

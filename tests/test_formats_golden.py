@@ -1,4 +1,4 @@
-"""Golden tests for the reference format semantics (DESIGN.md section 2).
+"""Golden tests for the reference format semantics (docs/design.md section 2).
 
 Every expected code / scale below is written literally and derived by hand in a comment; nothing is
 computed with dtq itself. Bit patterns used throughout:
@@ -531,7 +531,7 @@ def test_mxfp8_dequantize_exact():
 
 # torchao's _to_mx_rceil is the "ceil" (RCEIL) reference. Documented divergence, not exercised here:
 # torchao multiplies by 1.0 (descale 1) when the biased exponent is 0 (block amax below about
-# 448 * 2^-127 ~ 2.6e-36), while DESIGN.md says q = x / 2^-127 = x * 2^127. The random data below keeps
+# 448 * 2^-127 ~ 2.6e-36), while docs/design.md §2.3 says q = x / 2^-127 = x * 2^127. The random data below keeps
 # every block amax many orders of magnitude above that.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mxfp8_ceil_matches_torchao_rceil(dtype):

@@ -1,4 +1,4 @@
-"""Format-level properties of every dtq quantizer (DESIGN.md sections 1, 2, 5.1, 6).
+"""Format-level properties of every dtq quantizer (docs/design.md sections 1, 2, 5.1, 6).
 
 Random data with fixed seeds, small shapes. Bitwise claims compare raw bytes (``bits``), never
 ``allclose``.
@@ -136,7 +136,7 @@ def test_random_hadamard_columnwise():
 
 
 # =================================================================================================
-# shard = slice of whole (DESIGN 5.1)
+# shard = slice of whole (docs/design.md §5.1)
 # =================================================================================================
 
 # Stochastic rounding is exempt: its random bits are indexed by the element's position in the

@@ -1,4 +1,4 @@
-"""FSDP2 all-gathers of quantized payloads (DESIGN section 5, invariants 1-4 and 7), with real
+"""FSDP2 all-gathers of quantized payloads (docs/design.md section 5, invariants 1-4 and 7), with real
 processes and real collectives: gloo on CPU, NCCL where each rank has a GPU."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _check_gathers(rank, world, quantized_params):
     mesh = init_device_mesh(_device().type, (world,))
     for name, recipe in _recipes().items():
         if "fp8" in name and "block" in name and (HIDDEN // world) % 128:
-            # 128x128 blocks cannot be split across shards: DESIGN 5.4's error, not wrong bytes
+            # 128x128 blocks cannot be split across shards: docs/design.md §5.4's error, not wrong bytes
             model = _shard(_model(), mesh, True)
             with pytest.raises(ValueError, match=r"dtq: cannot all-gather 0.fc2_weight \(shape \[256, 512\]\) as "
                                r"fp8_block rowwise payloads over 4 FSDP ranks: each shard has 64 rows but rowwise "
@@ -424,7 +424,7 @@ def _check_uneven(rank, world):
             for d, payload in seen["first"].items():
                 for k, v in payload.items():
                     assert torch.equal(_bits(v), _bits(ref.payload(d)[k])), (name, raf, d, k)
-    # a direction whose blocks would straddle the uneven shards is refused (DESIGN 5.4)
+    # a direction whose blocks would straddle the uneven shards is refused (docs/design.md §5.4)
     lin = dtq.nn.Linear(64, 97, name="odd").to(_device())
     fully_shard(lin, mesh=mesh)
     with pytest.raises(ValueError, match="each shard has 49 rows but columnwise blocks span 32 rows"):

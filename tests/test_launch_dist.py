@@ -1,4 +1,4 @@
-"""launch/dist.py: who a process is, from the environment each launcher leaves behind (no real
+"""dtq/launch/dist.py: who a process is, from the environment each launcher leaves behind (no real
 SLURM or MPI needed here; tests/test_train.py runs torchrun and mpirun for real)."""
 
 import os
@@ -7,7 +7,7 @@ import stat
 import pytest
 import torch
 
-from launch import dist as ld
+from dtq.launch import dist as ld
 
 
 def test_torchrun_variables_win():

@@ -65,7 +65,7 @@ def _check_casts(rank, world):
     # dim-0 shards: stale shards, fresh masters, one all-reduce for all parameters
     whole = [i for i, q in enumerate(quantizers) if all(rows % q.block_rows(d) == 0 for d in ("rowwise", "columnwise"))]
     split = [i for i in range(len(quantizers)) if i not in whole]
-    for i in split:  # blocks taller than a shard: the DESIGN 5.4 error, pointing to FlatSlice
+    for i in split:  # blocks taller than a shard: the docs/design.md §5.4 error, pointing to FlatSlice
         with pytest.raises(ValueError, match="cannot hold whole 128-row"):
             quantize_master_weights([quantizers[i].quantize(torch.zeros(rows, K, device=dev))], [masters[i][:rows]])
     quantizers, full, masters_w = [quantizers[i] for i in whole], [full[i] for i in whole], [masters[i] for i in whole]

@@ -1,4 +1,4 @@
-"""Roles, recipes, backward override and the dtq.nn modules (DESIGN sections 1, 3, 4)."""
+"""Roles, recipes, backward override and the dtq.nn modules (docs/design.md sections 1, 3, 4)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""QuantizedTensor dispatch policy (dtq/tensor.py module docstring, DESIGN.md sections 2 and 6),
+"""QuantizedTensor dispatch policy (dtq/tensor.py module docstring, docs/design.md sections 2 and 6),
 for every quantizer of tests/_quantizers.py."""
 
 from __future__ import annotations
@@ -442,7 +442,7 @@ _SHARD_REBUILD = [p for p in QUANTIZERS if not uses_sr(p[1]) and not uses_rht(p[
 @pytest.mark.parametrize("q", params(_SHARD_REBUILD))
 def test_update_usage_source_on_shard_keeps_global_scale(q):
     # A shard quantized rowwise with the global amax, then given its columnwise direction from its
-    # own high-precision values, must equal the shard of quantize(full) (DESIGN 5.1); the tensor.py
+    # own high-precision values, must equal the shard of quantize(full) (docs/design.md §5.1); the tensor.py
     # docstring promises "a per-tensor amax/scale already held ... keeps a rebuilt direction
     # consistent (e.g. shards quantized with a global amax)".
     full = randn(384, 256, seed=9)

@@ -2,6 +2,7 @@
 shape pre-checks, the data order, the LR schedule, the metrics log and the loss plot."""
 
 import dataclasses
+import io
 import json
 import sys
 
@@ -10,7 +11,7 @@ import torch
 
 import dtq
 from dtq.testing import spawn
-from launch import (
+from dtq.launch import (
     checkpointing,
     config,
     data,
@@ -19,9 +20,10 @@ from launch import (
     parallel,
     plot_loss,
     preflight,
+    progress,
 )
-from launch.model import Decoder, rotary
-from launch.recipes import RECIPES, build_recipe
+from dtq.launch.model import Decoder, rotary
+from dtq.launch.recipes import RECIPES, build_recipe
 
 TINY = "launch/configs/tiny.toml"
 
@@ -41,12 +43,15 @@ def test_unknown_recipe_lists_the_valid_ones():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("train.stepz=3", r"unknown key\(s\) \['stepz'\] in \[train\]"),
+    ("train.stepz=3", "unknown key train.stepz; valid keys of train: steps, batch_size"),
+    ("trian.steps=3", "unknown table trian; valid tables: model, data, train, parallel"),
     ("model.hidden=250", "must be a multiple of model.heads"),
-    ("train.offload=gpu", "train.offload = 'gpu'; use one of 'none', 'save_on_cpu', 'dtq'"),
+    ("train.offload=gpu", "train.offload = 'gpu': Input should be 'none', 'save_on_cpu' or 'dtq'"),
     ("model.kv_heads=2", "only used by kind = \"hf_llama\""),
-    ("train.steps=0", "train.steps = 0 must be > 0"),
-    ("parallel.replicate=0", "parallel.replicate = 0 must be > 0"),
+    ("train.steps=0", "train.steps = 0: Input should be greater than 0"),
+    ("parallel.replicate=0", "parallel.replicate = 0: Input should be greater than 0"),
+    ("train.keep_checkpoints=-1", "train.keep_checkpoints = -1: Input should be greater than or equal to 0"),
+    ("model.vocab=100", "model.vocab = 100: Input should be greater than or equal to 256"),
 ])
 def test_bad_configs_say_what_to_change(override, message):
     with pytest.raises(ValueError, match=message):
@@ -194,7 +199,7 @@ def test_plot_loss_writes_one_png_for_several_runs(tmp_path):
 def test_plot_loss_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
     _log(tmp_path / "run", [1.0])
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(RuntimeError, match=r"pip install -e '.\[plot\]'"):
+    with pytest.raises(RuntimeError, match=r"pip install 'dtq\[plot\]'"):
         plot_loss.plot([str(tmp_path / "run")], str(tmp_path / "x.png"))
 
 
@@ -295,16 +300,47 @@ def test_resume_on_more_ranks_takes_rank0_histories(tmp_path):
 
 
 def test_overrides_are_checked_against_the_field_types():
-    from launch import config as config_mod
+    from dtq.launch import config as config_mod
 
     cfg = config_mod.load(None, ["train.recompute=False", "train.quantized_params=no", "train.compile=TRUE",
                                  "train.lr=1", "train.out_dir=2024"])
     assert cfg.train.recompute is False and cfg.train.quantized_params is False and cfg.train.compile is True
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float) and cfg.train.out_dir == "2024"
-    for override, message in [("train.steps=abc", "config: train.steps must be an integer, got 'abc'"),
-                              ("train.steps=true", "config: train.steps must be an integer, got True"),
-                              ("train.recompute=maybe", "config: train.recompute must be true or false, got 'maybe'"),
-                              ("train.lr=fast", "config: train.lr must be a number, got 'fast'")]:
-        with pytest.raises(ValueError) as e:
+    for override, message in [
+        ("train.steps=abc", "config: train.steps = 'abc': Input should be a valid integer"),
+        ("train.steps=true", "config: train.steps = True: Input should be a valid integer"),
+        ("train.steps=2.5", "config: train.steps = 2.5: Input should be a valid integer"),
+        ("train.recompute=maybe", "config: train.recompute = 'maybe': Input should be a valid boolean, unable to "
+                                  "interpret input"),
+        ("train.lr=fast", "config: train.lr = 'fast': Input should be a valid number"),
+    ]:
+        with pytest.raises(config_mod.ConfigError) as e:
             config_mod.load(None, [override])
         assert str(e.value) == message
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_only_on_an_interactive_terminal(capsys):
+    """A tqdm bar over the steps is drawn on rank 0 into a terminal only, beside the log lines,
+    which read the same with or without it; a pipe (CI, a log file) never gets one."""
+    pytest.importorskip("tqdm")
+    terminal = _Terminal()
+    console = progress.Console(True, total=4, initial=1, stream=terminal)
+    assert console.has_bar
+    console.step()
+    console.print("step 2/4 | loss 1.0000")
+    console.step(loss=1.0)
+    console.close()
+    assert "1/4" in terminal.getvalue() and "step 2/4" not in terminal.getvalue()
+    assert capsys.readouterr().out == "step 2/4 | loss 1.0000\n"
+    for stream, enabled, bar in [(io.StringIO(), True, True), (_Terminal(), False, True), (_Terminal(), True, False)]:
+        console = progress.Console(enabled, total=4, stream=stream, bar=bar)  # a pipe; rank 1; progress_bar = false
+        console.step()
+        console.print("step 1/4")
+        console.close()
+        assert not console.has_bar and stream.getvalue() == ""
+        assert capsys.readouterr().out == ("step 1/4\n" if enabled else "")

@@ -37,8 +37,8 @@ def _full_quantized(name: str, param: torch.Tensor, entries: dict) -> QuantizedT
     local = param._local_tensor if isinstance(param, DTensor) else param
     payloads: dict = {}
     for d in local.directions:
-        for k in local.payload(d):
-            payloads.setdefault(d, {})[k] = _full(entries[entry_key(name, local.quantizer, d, k)])
+        for k, v in local.payload(d).items():  # entries hold FP8 codes as bytes
+            payloads.setdefault(d, {})[k] = _full(entries[entry_key(name, local.quantizer, d, k)]).view(v.dtype)
     return QuantizedTensor(param.shape, local.dtype, local.quantizer, payloads)
 
 

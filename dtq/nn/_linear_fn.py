@@ -1,5 +1,5 @@
 """The autograd function behind every dtq GEMM module: fprop, dgrad and wgrad on the payloads the
-recipe asks for, with the backward override applied (DESIGN section 4)."""
+recipe asks for, with the backward override applied (docs/design.md section 4)."""
 
 from __future__ import annotations
 
@@ -79,24 +79,31 @@ class Slot:
             return queue.popleft()
         return self.last_amax
 
+    def _tensor_amax(self, direction: str, shape: tuple[int, int]) -> bool:
+        """Whether ``direction``'s scale derives from max|x| over the whole tensor (current scaling)."""
+        sub = self.quantizer.for_direction(direction)
+        codec = codec_for(sub) if sub is not None else None
+        return (codec is not None and codec.needs_amax(sub, direction) and codec.amax_space(sub, direction) == "x"
+                and tuple(codec.amax_shape(sub, direction, shape)) == ())
+
+    def takes_tensor_amax(self) -> bool:
+        """Whether a max|x| computed elsewhere (by the kernel that produced x, or in a compiled graph,
+        where it fuses into x's producer) spares this slot's quantization an amax pass."""
+        return (self.quantizer is not None and self.history is None
+                and any(self._tensor_amax(d, (1, 1)) for d in (ROWWISE, COLUMNWISE)))
+
     def _known_amax(self, x: torch.Tensor, known: torch.Tensor, rowwise: bool, columnwise: bool) -> dict:
         """``{direction: known}`` for the requested directions whose scale derives from max|x|
         over the whole tensor (current scaling), where ``known`` is that value already (computed
         by the kernel that produced x)."""
         shape = shape_2d(x.shape)
-        out = {}
-        for d, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):
-            sub = self.quantizer.for_direction(d) if on else None
-            codec = codec_for(sub) if sub is not None else None
-            if (codec is not None and codec.needs_amax(sub, d) and codec.amax_space(sub, d) == "x"
-                    and tuple(codec.amax_shape(sub, d, shape)) == ()):
-                out[d] = known
-        return out
+        return {d: known for d, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise))
+                if on and self._tensor_amax(d, shape)}
 
     def quantize(self, x: torch.Tensor, rowwise: bool, columnwise: bool, replay: bool = False,
                  group=None, sync=None, known_amax: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` quantized into the requested directions; with a ``group``, ``x`` is this rank's
-        sequence-parallel shard and the result is the gathered whole (DESIGN 5: quantized, with
+        sequence-parallel shard and the result is the gathered whole (docs/design.md §5: quantized, with
         scales agreed across the group). ``sync``: the :class:`dtq.parallel.amax.AmaxSync` that
         reduces this step's delayed-scaling amax over the ranks sharing histories, or None.
         ``known_amax``: max|x| if the producer of x computed it (used by current scaling only)."""
@@ -279,9 +286,10 @@ def linear_forward(call: GemmCall, x: torch.Tensor, weight: torch.Tensor, bias: 
 
 
 def linear_backward(call: GemmCall, dy: torch.Tensor, saved_x, saved_w, x_shape: torch.Size, x_dtype: torch.dtype,
-                    w_dtype: torch.dtype, need_bgrad: bool):
+                    w_dtype: torch.dtype, need_bgrad: bool, dy_amax: torch.Tensor | None = None):
     """``(dx, dw, db)`` (None where not needed) of :func:`linear_forward` from its saved operands:
-    dgrad and wgrad on the payloads the recipe asks for, or the backward override's operands."""
+    dgrad and wgrad on the payloads the recipe asks for, or the backward override's operands.
+    ``dy_amax``: max|dy| if already known (current scaling only uses it)."""
     _, _, sg = call.slots
     need_dgrad, need_wgrad = call.need_dgrad, call.need_wgrad
     # contiguous: the same reduction order (bias grad) whatever layout a compiled graph hands over
@@ -289,7 +297,7 @@ def linear_backward(call: GemmCall, dy: torch.Tensor, saved_x, saved_w, x_shape:
     scatter = call.group if call.tp is not None and call.tp.scatters_output else None
     dx = dw = db = None
     if call.override is None:
-        known = call.link.take_grad_amax() if call.link is not None else None  # max|dy| from the next op's kernel
+        known = call.link.take_grad_amax() if call.link is not None else dy_amax  # max|dy| from the next op's kernel
         gq = sg.quantize(dy2, rowwise=need_dgrad, columnwise=need_wgrad, group=scatter, sync=call.amax_sync,
                          known_amax=known)
         if need_dgrad:

@@ -18,7 +18,7 @@ import torch
 
 from dtq._library import define
 from dtq.nn import _linear_fn as lf
-from dtq.nn.gemm_state import GemmCall, GemmHandle, GemmSlots, template
+from dtq.nn.gemm_state import TRACED_DY_AMAX, GemmCall, GemmHandle, GemmSlots, template, traced_amaxes
 from dtq.parallel._torch_private import in_backward
 from dtq.tensor import QUANTIZED, QuantizedTensor, _implements
 
@@ -126,8 +126,10 @@ def _linear_fake(x, weight, w_fields, wkey, bias, x_amax, handle, key, need_dgra
 
 def _linear_backward_impl(dy: torch.Tensor, saved: list[torch.Tensor], weight: torch.Tensor, w_fields: list[torch.Tensor],
                     wkey: int, handle: GemmHandle, key: int, need_dgrad: bool, need_wgrad: bool, need_bgrad: bool,
-                    x_shape: list[int], x_dtype: torch.dtype, has_x_amax: bool) -> list[torch.Tensor]:
-    """``[dx?, dw?, db?]`` (those asked for, in that order) of ``dtq::linear``."""
+                    x_shape: list[int], x_dtype: torch.dtype, has_x_amax: bool,
+                    dy_amax: torch.Tensor | None) -> list[torch.Tensor]:
+    """``[dx?, dw?, db?]`` (those asked for, in that order) of ``dtq::linear``; ``dy_amax``: max|dy|
+    if the graph computed it."""
     slots = _module_slots(handle, key)
     w = _weight(weight, w_fields, wkey)
     x_meta = torch.empty(x_shape, dtype=x_dtype, device="meta")
@@ -138,13 +140,13 @@ def _linear_backward_impl(dy: torch.Tensor, saved: list[torch.Tensor], weight: t
         live = slots.live_weight() if slots.state.fsdp_gathered else None
         saved_w = live if isinstance(live, QuantizedTensor) else w
     call = GemmCall(slots, need_dgrad, need_wgrad, amax_sync=slots.state.amax_sync)
-    grads = lf.linear_backward(call, dy, saved_x, saved_w, torch.Size(x_shape), x_dtype, w.dtype, need_bgrad)
+    grads = lf.linear_backward(call, dy, saved_x, saved_w, torch.Size(x_shape), x_dtype, w.dtype, need_bgrad, dy_amax)
     # contiguous, as the fake says (a GEMM may hand dW over transposed)
     return [g.contiguous() for g in grads if g is not None]
 
 
 def _linear_backward_fake(dy, saved, weight, w_fields, wkey, handle, key, need_dgrad, need_wgrad, need_bgrad, x_shape,
-                          x_dtype, has_x_amax):
+                          x_dtype, has_x_amax, dy_amax):
     w = _weight(weight, w_fields, wkey)
     out = []
     if need_dgrad:
@@ -160,13 +162,17 @@ def _setup_context(ctx, inputs, output):
     x, weight, _, _, bias, x_amax, handle, key, need_dgrad, need_wgrad, _, _ = inputs
     ctx.args = (handle, key, need_dgrad, need_wgrad, bias is not None and bias.requires_grad, list(x.shape), x.dtype,
                 x_amax is not None)
+    ctx.dy_amax = bool(traced_amaxes(key) & TRACED_DY_AMAX)
     ctx.save_for_backward(weight, *output[1:])
 
 
 def _backward(ctx, grads):
     need_dgrad, need_wgrad, need_bgrad = ctx.args[2:5]
     weight, *saved = ctx.saved_tensors
-    out = iter(linear_backward(grads[0], saved, weight, [], 0, *ctx.args))
+    dy = grads[0]
+    # max|dy| as a traced reduction: it fuses into the kernel producing dy (see traced_amaxes)
+    dy_amax = dy.detach().abs().amax().float() if ctx.dy_amax and dy.numel() else None
+    out = iter(linear_backward(dy, saved, weight, [], 0, *ctx.args, dy_amax))
     dx = next(out) if need_dgrad else None
     dw = next(out) if need_wgrad else None
     db = next(out) if need_bgrad else None

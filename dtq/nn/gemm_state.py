@@ -169,6 +169,22 @@ def template(key: int) -> GemmSlots:
     return _TEMPLATES[key]
 
 
+TRACED_X_AMAX, TRACED_DY_AMAX = 1, 2
+
+
+@torch._dynamo.assume_constant_result
+def traced_amaxes(key: int) -> int:
+    """Which amaxes a compiled graph computes itself for the GEMM of template ``key`` (bits
+    ``TRACED_X_AMAX``, ``TRACED_DY_AMAX``): those of current-scaling slots, where max|x| as a traced
+    reduction fuses into the kernel producing x instead of costing the quantization a pass of its
+    own. The value is exact either way, so the payloads are the eager ones."""
+    t = _TEMPLATES[key]
+    if t.recipe.delayed:  # scales come from amax histories (templates hold none)
+        return 0
+    return ((TRACED_X_AMAX if t.sx.takes_tensor_amax() else 0)
+            | (TRACED_DY_AMAX if t.sg.takes_tensor_amax() and t.recipe.backward_override is None else 0))
+
+
 def gemm_roles(module_type: str, name: str) -> list:
     """The roles of one GEMM's quantized slots (input, weight, grad_output)."""
     from dtq.recipe import TENSOR_TYPES, QuantizerRole

@@ -7,10 +7,11 @@ import weakref
 import torch
 
 from dtq.autocast import active_recipe
-from dtq.checkpoint.state_dict import SEP, check_weight, weight_entries, weight_meta
+from dtq.checkpoint.state_dict import KEY_PATH, SEP, check_weight, weight_entries, weight_meta
 from dtq.nn import _ops
 from dtq.nn._linear_fn import DequantizeWeight, LinearFn, Slot, _local_weight
-from dtq.nn.gemm_state import GemmCall, GemmHandle, GemmSlots, GemmState, template_key
+from dtq.nn.gemm_state import (TRACED_X_AMAX, GemmCall, GemmHandle, GemmSlots, GemmState, template_key,
+                                traced_amaxes)
 from dtq.parallel import tp
 from dtq.parallel._torch_private import in_backward
 from dtq.parallel.fsdp import HighPrecisionWeight
@@ -19,6 +20,8 @@ from dtq.tensor import QuantizedTensor, warn_once
 
 SLOT_TYPES = ("input", "weight", "output", "grad_output", "grad_input")
 _QUANTIZED_SLOTS = ("input", "weight", "grad_output")
+# Every live dtq module, so that a warning about a parameter can name it (dtq.optim).
+LIVE_MODULES: "weakref.WeakSet[QuantizedModule]" = weakref.WeakSet()
 
 
 class QuantizedModule(torch.nn.Module):
@@ -38,6 +41,7 @@ class QuantizedModule(torch.nn.Module):
         self._slot_cache: dict = {}
         self.gemm_state = GemmState()
         self._gemm_handle = GemmHandle(self)
+        LIVE_MODULES.add(self)
 
     def gemm_suffixes(self) -> list[str]:
         return [""]
@@ -111,6 +115,13 @@ class QuantizedModule(torch.nn.Module):
         return name
 
     # -- state dicts: GEMM weights as codes (dtq.checkpoint) --------------------------------------
+    _dtq_key_path = KEY_PATH
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """For DCP's state-dict helpers (``get_model_state_dict``...), which resolve each key as
+        an attribute path: the payload keys of a GEMM weight resolve through ``KEY_PATH``."""
+        return {w: "_dtq_key_path" for w in self.weight_names()}
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         for w in self.weight_names():
@@ -199,6 +210,8 @@ class QuantizedModule(torch.nn.Module):
                 # of one structure share the graph (unless the recipe's quantizers use names).
                 key = template_key(recipe.key, self.module_type, self.name if recipe.name_dependent else "",
                                    self.gemm_suffixes()[gemm], gemm)
+                if x_amax is None and traced_amaxes(key) & TRACED_X_AMAX and x.numel():
+                    x_amax = x.detach().abs().amax().float()  # fuses into x's producer (see traced_amaxes)
                 outs = _ops.linear(x, weight, [], 0, bias, x_amax, self._gemm_handle, key, grad and x.requires_grad,
                                    grad and weight.requires_grad, no_grad_trainable, recompute_only)
                 return outs[0]

@@ -20,16 +20,19 @@ forward gather moves both once. The module tells which recipe and backward overr
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch
 from torch.utils._pytree import tree_map
 
+from dtq._bits import as_bytes
 from dtq.autocast import active_amax_sync, active_recipe
 from dtq.formats import COLUMNWISE, ROWWISE, IdentityQuantizer, Quantizer, codec_for
 from dtq.formats.base import quantize_payloads, shape_2d
 from dtq.parallel import comm
 from dtq.parallel.amax import all_reduce_max, reduce_over_shards
 from dtq.parallel._torch_private import GatherContext, gather_context, in_backward, resize_gather_buffers
+from dtq.parallel.world import check_launched_world
 from dtq.tensor import QuantizedTensor, warn_once
 
 
@@ -96,7 +99,7 @@ def _rows_per_index(full_shape) -> int:
 
 
 def _check_alignment(ctx: GatherContext, quantizer: Quantizer, dirs, full_shape, world: int):
-    """DESIGN 5.4: a gathered direction's dim-0 blocks must not straddle two shards."""
+    """docs/design.md §5.4: a gathered direction's dim-0 blocks must not straddle two shards."""
     shard_rows = _padded_rows(full_shape, world)
     for d in dirs:
         need = quantizer.block_rows(d)
@@ -199,7 +202,7 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
-def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, rank, fallback: bool = False):
+def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, fallback: bool = False):
     aliases = quantizer.aliases(tuple(dirs))
     moved = tuple(d for d in dirs if d not in aliases)
     inputs, layout, shared = _split(quantizer, payloads, moved)
@@ -226,7 +229,7 @@ def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, ra
         # FP8 codes travel as bytes: a group whose inputs are all FP8 would get an FP8 all-gather
         # buffer, which gloo (and any backend without FP8 collectives) rejects.
         dtypes = tuple(t.dtype for t in inputs)
-        inputs = [_as_bytes(t) for t in inputs]
+        inputs = [as_bytes(t) for t in inputs]
     resize_gather_buffers(ctx, inputs, world)
     if fallback:
         dtype = payloads[dirs[0]]["data"].dtype
@@ -237,10 +240,6 @@ def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, ra
         _record(quantizer, layout, fields, world, sum(t.numel() * t.element_size() for t in inputs) * world)
     return tuple(inputs), _GatherMeta(quantizer, dirs, layout, shared, torch.Size(full_shape), aliases, ctx.param_name,
                                       packed, dtypes)
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
 
 
 # -- high-precision shards -----------------------------------------------------------------------
@@ -356,6 +355,7 @@ class HighPrecisionWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         ctx = gather_context(self)
         _check_supported(ctx)
+        check_launched_world()
         module.gemm_state.fsdp_gathered = True
         world = mesh.size()
         param_dtype = mp_policy.param_dtype or self.dtype
@@ -377,10 +377,14 @@ class HighPrecisionWeight(torch.Tensor):
             if slot.history is not None:
                 amax = _delayed_weight_amax(ctx, slot, amax)
             payloads = quantize_payloads(quantizer, shard, dirs, amax=amax)
-        return _finish(ctx, quantizer, dirs, payloads, outer_size, world, mesh.get_local_rank(), fallback)
+        return _finish(ctx, quantizer, dirs, payloads, outer_size, world, fallback)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         return post_all_gather(all_gather_outputs, metadata, param_dtype, out)
+
+
+# FSDP2 reads the hook's signature on every gather: precomputed, as for QuantizedTensor's.
+HighPrecisionWeight.fsdp_pre_all_gather.__signature__ = inspect.signature(HighPrecisionWeight.fsdp_pre_all_gather)
 
 
 def _delayed_weight_amax(ctx: GatherContext, slot, amax: dict) -> torch.Tensor:
@@ -430,6 +434,7 @@ def precompute_amax(model: torch.nn.Module, recipe=None) -> None:
 
     from dtq.nn.module import QuantizedModule
 
+    check_launched_world()
     groups: dict = {}
     for fqn, module in model.named_modules():
         if not isinstance(module, QuantizedModule):
@@ -474,9 +479,9 @@ def precompute_amax(model: torch.nn.Module, recipe=None) -> None:
 def quantized_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, module, mp_policy):
     ctx = gather_context(self)
     _check_supported(ctx)
+    check_launched_world()
     module.gemm_state.fsdp_gathered = True
     world = mesh.size()
     dirs = _needed_directions(ctx, module, self._quantizer, self.directions)
     _check_alignment(ctx, self._quantizer, dirs, outer_size, world)
-    return _finish(ctx, self._quantizer, dirs, {d: self._payloads[d] for d in dirs}, outer_size, world,
-                   mesh.get_local_rank())
+    return _finish(ctx, self._quantizer, dirs, {d: self._payloads[d] for d in dirs}, outer_size, world)

@@ -29,12 +29,14 @@ from dtq.nn.linear import Linear
 from dtq.parallel import comm
 from dtq.parallel.fsdp import HighPrecisionWeight
 from dtq.parallel.tp import TPSpec
+from dtq.parallel.world import check_launched_world
 from dtq.tensor import QuantizedTensor
 
 
 def _distribute(module: torch.nn.Module, pname: str, mesh: DeviceMesh, placement) -> None:
     """Replace parameter ``pname`` by a DTensor with ``placement`` on ``mesh`` holding this rank's
     piece of rank 0's values (a high-precision GEMM weight keeps its FSDP2 gather extension)."""
+    check_launched_world()
     p = module._parameters.get(pname)
     if p is None or isinstance(p, DTensor):
         return

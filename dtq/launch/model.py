@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import dtq
 from dtq.parallel import tp
-from launch.config import ModelConfig
+from dtq.launch.config import ModelConfig
 
 
 def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
@@ -116,7 +116,7 @@ class HFCausalLM(torch.nn.Module):
             from transformers import LlamaConfig, LlamaForCausalLM
         except ImportError:
             raise RuntimeError("model.kind = \"hf_llama\" needs the transformers package: pip install transformers "
-                               "(it is in dtq's test extra: pip install -e '.[test]')") from None
+                               "(or dtq's extra: pip install 'dtq[hf]')") from None
         hf_cfg = LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn_hidden,
                              num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
                              num_key_value_heads=cfg.kv_heads or cfg.heads, max_position_embeddings=cfg.seq_len,

@@ -13,7 +13,7 @@ import math
 import torch
 
 import dtq
-from launch.config import TrainConfig
+from dtq.launch.config import TrainConfig
 
 
 def _groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

@@ -168,7 +168,7 @@ def _mpi_env(denv: DistEnv) -> DistEnv:
         from mpi4py import MPI
     except ImportError:
         raise RuntimeError("launch: started under MPI but mpi4py is not installed; `pip install mpi4py` (or the "
-                           "project's extra: pip install -e '.[mpi]'), or start with torchrun") from None
+                           "project's extra: pip install 'dtq[mpi]'), or start with torchrun") from None
     comm = MPI.COMM_WORLD
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     rank, world, local, local_world = comm.Get_rank(), comm.Get_size(), node.Get_rank(), node.Get_size()

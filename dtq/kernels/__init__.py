@@ -6,7 +6,8 @@ and the extension builds; otherwise (CPU, no nvcc, a build error, or ``DTQ_DISAB
 everything runs the references. Nothing here compiles at import time.
 
 Build: ``torch.utils.cpp_extension.load`` (ninja) into ``$DTQ_KERNEL_BUILD_DIR`` or
-``~/.cache/dtq/kernels/<python-torch-cuda>``; ``python -m dtq.kernels build`` does it ahead of time.
+``~/.cache/dtq/kernels/<python-torch-cuda>``, saying so on stderr when it compiles (about a minute);
+``python -m dtq.kernels build`` (``dtq/kernels/__main__.py``) does it ahead of time.
 
 Formats reach the kernels only through ``Codec.kernel_spec`` (one :class:`KernelSpec` per
 direction): the fused kernel reads the input once and writes up to two directions' payloads.
@@ -19,6 +20,7 @@ import functools
 import os
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -31,8 +33,8 @@ _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 INPUT_DTYPES = tuple(_DTYPE_CODE)
 
 # The repository's csrc/ (a checkout or an editable install), else the copy a wheel carries.
-CSRC = next((d for d in (Path(__file__).resolve().parent.parent / "csrc", Path(__file__).resolve().parent / "_csrc")
-             if d.is_dir()), Path(__file__).resolve().parent / "_csrc")
+_PACKAGE = Path(__file__).resolve().parents[1]  # dtq/
+CSRC = next((d for d in (_PACKAGE.parent / "csrc", _PACKAGE / "_csrc") if d.is_dir()), _PACKAGE / "_csrc")
 SOURCES = ("bindings.cpp", "quantize.cu", "quantize_fast_bf16.cu", "quantize_fast_f16.cu", "quantize_fast_f32.cu", "amax.cu",
            "dequantize.cu", "transpose.cu", "swiglu.cu", "epilogue.cu", "quantize_alloc.cpp")
 # fp32 arithmetic must stay exactly the references': no FMA contraction, no fast math.
@@ -117,6 +119,36 @@ def _load(verbose: bool = False):
                 extra_cuda_cflags=list(CUDA_FLAGS), build_directory=str(d), verbose=verbose)
 
 
+def _needs_build() -> bool:
+    """Whether loading will compile: no library in the build directory yet, or one older than a
+    source (torch's loader then rebuilds)."""
+    built = [p.stat().st_mtime for p in build_dir().glob("dtq_kernels*.so")]
+    sources = [p.stat().st_mtime for p in CSRC.glob("*") if p.suffix in (".cu", ".cuh", ".cpp")]
+    return not built or max(built) < max(sources, default=0.0)
+
+
+def _say(message: str) -> None:
+    """Build progress on stderr: from rank 0 only once a process group is up (every rank of a node
+    waits on the same build)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        print(f"dtq: {message}", file=sys.stderr, flush=True)
+
+
+def _load_announced(verbose: bool):
+    """:func:`_load`, saying before and after when it compiles: the first GPU use would otherwise
+    look hung for about a minute."""
+    if not _needs_build():
+        return _load(verbose)
+    _say(f"compiling the CUDA kernels into {build_dir()} (once per Python, torch and CUDA version; about a "
+         "minute). `python -m dtq.kernels build` does this ahead of time.")
+    start = time.perf_counter()
+    ext = _load(verbose)
+    _say(f"CUDA kernels built in {time.perf_counter() - start:.0f} s")
+    return ext
+
+
 def extension(verbose: bool = False):
     """The built extension module, or None after a (once-warned) build failure."""
     global _ext, _error
@@ -125,7 +157,7 @@ def extension(verbose: bool = False):
     with _lock:
         if _ext is None and _error is None:
             try:
-                _ext = _load(verbose)
+                _ext = _load_announced(verbose)
             except Exception as e:  # noqa: BLE001 - any build/import failure means "use the references"
                 _error = f"{type(e).__name__}: {e}"
                 head = "\n".join(str(e).strip().splitlines()[:12])
@@ -339,24 +371,3 @@ def scale_cast(out: torch.Tensor, fa: torch.Tensor | None, fb: torch.Tensor | No
     dst = out if dtype == torch.float32 else torch.empty(out.shape, dtype=dtype, device=out.device)
     extension().scale_cast(out, fa, fb, dst)
     return dst
-
-
-def _main(argv: list[str]) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m dtq.kernels", description="Build dtq's CUDA kernels ahead of time.")
-    p.add_argument("command", choices=["build", "info"])
-    args = p.parse_args(argv)
-    if args.command == "info":
-        print(f"build dir: {build_dir()}\ndisabled: {disabled()}\ntorch CUDA: {torch.version.cuda}")
-        return 0
-    if torch.version.cuda is None:
-        print("this torch has no CUDA support: nothing to build", file=sys.stderr)
-        return 1
-    ext = _load(verbose=True)
-    print(f"built {ext.__file__}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

@@ -14,7 +14,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import dtq
 
-from launch.config import Config
+from dtq.launch.config import Config
 
 
 def make_mesh(device: torch.device, world_size: int, tp: int, replicate: int = 1) -> DeviceMesh:

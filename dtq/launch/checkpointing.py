@@ -8,6 +8,11 @@ a save that crashed half-way (nor a mix of two saves of one step: DCP itself wri
 directory it is given and leaves an older ``.metadata`` there until it finishes).
 :func:`recover` and :func:`remove_stale` tidy up after a crash at the next start.
 
+Beside DCP's files, ``run.json`` records the recipe settings the run trained with, so that a resume
+under other settings is noticed before anything is loaded (:func:`read_run_info`).
+``keep`` (``train.keep_checkpoints``) deletes all but the newest committed checkpoints after each
+save.
+
 What is per rank is saved per rank: torch's RNG states (stochastic rounding draws its seeds from
 them) and the delayed-scaling amax histories of dtq modules (DCP would otherwise keep one rank's
 copy of a plain tensor for everybody). The trainer reduces those histories over every rank
@@ -17,6 +22,7 @@ per rank, and this layout serves both.
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import shutil
@@ -31,6 +37,7 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 # A save in progress (``tmp``) and a committed checkpoint moved aside to be replaced (``old``).
 _STAGED_DIR = re.compile(r"^(step_\d+)\.(tmp|old)-[0-9a-f]+$")
 _PER_RANK = "amax_history_"  # model buffers that differ between ranks
+RUN_INFO = "run.json"
 
 
 def checkpoint_dir(out_dir: str | pathlib.Path, step: int) -> pathlib.Path:
@@ -46,9 +53,29 @@ def latest(out_dir: str | pathlib.Path) -> pathlib.Path | None:
     """The newest complete checkpoint under ``out_dir``: a committed ``step_<N>`` directory
     holding DCP's ``.metadata``. Temporary directories of saves in progress (or crashed) are
     never returned."""
+    return max(_committed(out_dir), key=step_of, default=None)
+
+
+def _committed(out_dir: str | pathlib.Path) -> list[pathlib.Path]:
     root = pathlib.Path(out_dir) / "checkpoints"
-    done = [p for p in root.glob("step_*") if _STEP_DIR.match(p.name) and (p / ".metadata").exists()]
-    return max(done, key=step_of, default=None)
+    return [p for p in root.glob("step_*") if _STEP_DIR.match(p.name) and (p / ".metadata").exists()]
+
+
+def prune(out_dir: str | pathlib.Path, keep: int) -> list[pathlib.Path]:
+    """Delete every committed checkpoint but the ``keep`` newest (0: keep all); returns the deleted
+    directories. Rank 0 calls it after a commit."""
+    if keep <= 0:
+        return []
+    old = sorted(_committed(out_dir), key=step_of)[:-keep]
+    for p in old:
+        shutil.rmtree(p, ignore_errors=True)
+    return old
+
+
+def read_run_info(path: str | pathlib.Path) -> dict | None:
+    """The ``run.json`` of the checkpoint directory ``path`` (None for checkpoints older than it)."""
+    f = pathlib.Path(path) / RUN_INFO
+    return json.loads(f.read_text()) if f.exists() else None
 
 
 def _staged(out_dir: str | pathlib.Path) -> list[tuple[pathlib.Path, str, str]]:
@@ -120,10 +147,12 @@ def _commit(tmp: pathlib.Path, final: pathlib.Path, token: str) -> None:
         tmp.rename(final)
 
 
-def save(out_dir: str | pathlib.Path, step: int, model, optimizer, train_state: dict, device: torch.device) -> pathlib.Path:
+def save(out_dir: str | pathlib.Path, step: int, model, optimizer, train_state: dict, device: torch.device,
+         run_info: dict | None = None, keep: int = 0) -> pathlib.Path:
     """Write a checkpoint of step ``step`` (a collective: every rank calls it) and return its
     directory. Everything, each rank's own entries included, goes into one temporary
-    directory that rank 0 renames into place once every rank has written its part."""
+    directory that rank 0 renames into place once every rank has written its part (with
+    ``run_info`` as ``run.json``), then :func:`prune` keeps the ``keep`` newest (0: all)."""
     final = checkpoint_dir(out_dir, step)
     token = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(token, src=0)  # one temporary directory for all ranks
@@ -131,7 +160,10 @@ def save(out_dir: str | pathlib.Path, step: int, model, optimizer, train_state: 
     dcp.save(_state(model, optimizer, train_state, device, dist.get_rank()), checkpoint_id=str(tmp))
     dist.barrier()  # every rank's files are written (and rank 0's .metadata)
     if dist.get_rank() == 0:
+        if run_info is not None:
+            (tmp / RUN_INFO).write_text(json.dumps(run_info, indent=1) + "\n")
         _commit(tmp, final, token[0])
+        prune(out_dir, keep)
     dist.barrier()  # nobody goes on before the checkpoint is in place
     return final
 

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One device call for the end-to-end numbers docs/benchmarks.md quotes: build the kernels, then
+# bench/bench_e2e.py (whole Llama-style stacks, BF16 / torchao / dtq, eager and compiled) and the
+# example trainer on one GPU (BF16 and dtq recipes, eager and train.compile=true). Logs to $OUT.
+#
+#   E2E="--hidden 2048 --recipes fp8 mxfp8" TRAIN="bf16 fp8" COMPILE="false true" bash bench/speed_round.sh
+#   E2E= TRAIN="bf16 fp8" bash bench/speed_round.sh             # trainer only
+set -uo pipefail
+OUT=${OUT:-/tmp/dtq_out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export DTQ_COMMIT=${DTQ_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+start=$(date +%s)
+python3 -m dtq.kernels build > "$OUT/build.log" 2>&1 || { echo "kernel build failed:"; tail -30 "$OUT/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - start )) s"
+if [[ -n "${E2E-"--hidden 2048"}" ]]; then
+  python3 bench/bench_e2e.py ${E2E-"--hidden 2048"} --out "$OUT/e2e.json" > "$OUT/e2e.txt" 2>&1
+  grep -v "^W1\|^  \|codecache\|Traceback\|self.dump\|TypeError" "$OUT/e2e.txt" | tail -30
+  echo "e2e done after $(( $(date +%s) - start )) s"
+fi
+for recipe in ${TRAIN-}; do
+  for c in ${COMPILE:-false}; do
+    python3 launch/train.py --config "${CONFIG:-launch/configs/llama300m.toml}" --recipe "$recipe" \
+      --set train.steps=${STEPS:-30} --set train.log_every=10 --set train.eval_every=0 \
+      --set train.checkpoint_every=0 --set train.compile=$c --out-dir "/tmp/run-$recipe-$c" \
+      > "$OUT/train-$recipe-$c.txt" 2>&1
+    echo "train $recipe compile=$c rc=$? | $(grep -E 'step +[0-9]+' "$OUT/train-$recipe-$c.txt" | tail -1)"
+  done
+done
+echo "total $(( $(date +%s) - start )) s"
