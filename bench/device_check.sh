@@ -20,7 +20,8 @@ python3 -m dtq.kernels build > "$OUT/build.log" 2>&1 || { echo "kernel build fai
 echo "build: $(( $(date +%s) - start )) s"
 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_kernels.py tests/test_gemm.py tests/test_cuda_reference.py \
   tests/test_tensor_dispatch.py tests/test_swiglu.py tests/test_float8_rowwise.py tests/test_recompute_matrix.py \
-  tests/test_correctness_regressions.py tests/test_tensor_inplace.py tests/test_gpu_compile.py > "$OUT/gpu_tests.log" 2>&1
+  tests/test_correctness_regressions.py tests/test_tensor_inplace.py tests/test_gpu_compile.py tests/test_nvfp4_options.py \
+  > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc=$? after $(( $(date +%s) - start )) s"
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -15
 if [[ "${1:-}" == "--bench" ]]; then

@@ -2,7 +2,7 @@
 #include <torch/extension.h>
 
 namespace dtq {
-void quantize_fused(const at::Tensor& x, const std::vector<int64_t>& cfg_a, const std::vector<at::Tensor>& outs_a,
+bool quantize_fused(const at::Tensor& x, const std::vector<int64_t>& cfg_a, const std::vector<at::Tensor>& outs_a,
                     const c10::optional<at::Tensor>& amax_a, const std::vector<int64_t>& cfg_b,
                     const std::vector<at::Tensor>& outs_b, const c10::optional<at::Tensor>& amax_b,
                     const c10::optional<at::Tensor>& seed);
@@ -26,7 +26,8 @@ at::Tensor transposed_u8(const at::Tensor& in);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_fused", &dtq::quantize_fused,
-        "Up to two direction payloads of a [M, K] tensor from one read (slot configs: see csrc/common.cuh)");
+        "Up to two direction payloads of a [M, K] tensor from one read (slot configs: see csrc/common.cuh); false: "
+        "nothing launched, run the reference");
   m.def("amax", &dtq::amax, "Tensor-wide max|x| and/or max|T x| (16-row Hadamard) into int32[2] bit patterns");
   m.def("axis_amax", &dtq::axis_amax, "max|x| of every row and/or every column into int32 bit patterns");
   m.def("dequantize", &dtq::dequantize, "One direction payload back to [M, K] values");

@@ -33,11 +33,16 @@ struct SlotCfg {
   int hadamard;    // kNVFP4: 16-point random Hadamard along M (columnwise)
   int signs;       // Hadamard sign mask, bit j set: sign j is -1
   int out_dtype;   // kIdentity: DType of the output
+  int row_scaled;  // kNVFP4: S_enc per row (br == 1) / column (br == 16, bc == 1) from the amax vector amax_in
+  int fos;         // kNVFP4 four-over-six block scales: 0 off, 1 sum of |error|, 2 sum of error^2
   float fmax;      // FP8 max of the element type (kFp8Scaled, kMXFP8)
+  float gmax;      // kNVFP4: e4m3_max * 6, the numerator of S_enc
   void* data;      // codes (or identity values)
   void* scale;     // block scales: fp32 scale_inv (also kFp8Row's [M] / [K]) / uint8 E8M0 / e4m3 bytes
-  float* tensor_out;         // per-tensor output: fp32 scale_inv (kFp8Scaled with br == 0) or amax (kNVFP4)
-  const float* amax_in;      // tensor-wide amax (kFp8Scaled per-tensor, kNVFP4); kFp8Row: one per row / column
+  float* tensor_out;         // per-tensor output: fp32 scale_inv (kFp8Scaled with br == 0) or amax (kNVFP4;
+                             // row_scaled: one per row / column)
+  const float* amax_in;      // tensor-wide amax (kFp8Scaled per-tensor, kNVFP4); kFp8Row, row-scaled
+                             // kNVFP4: one per row / column
   const int64_t* seed;       // kNVFP4 with sr
 };
 
@@ -145,11 +150,20 @@ __device__ __forceinline__ float e8m0_inv(uint32_t biased) {
 
 // ------------------------------------------------------------------------------------------
 // NVFP4
-__device__ __forceinline__ float nvfp4_senc(float amax) { return scale_from_amax(amax, 2688.f, false); }
+// S_enc = gmax / amax (gmax = e4m3_max * 6; 2688 by default).
+__device__ __forceinline__ float nvfp4_senc(float amax, float gmax) { return scale_from_amax(amax, gmax, false); }
 
-// Block scale byte: e4m3((block_amax / 6) * S_enc).
-__device__ __forceinline__ uint8_t nvfp4_block_scale(float bamax, float s_enc) {
-  return cast_fp8(__fmul_rn(__fdiv_rn(bamax, 6.f), s_enc), false);
+// Block scale byte: e4m3((block_amax / div) * S_enc), div 6 (or 4: four-over-six's other candidate).
+__device__ __forceinline__ uint8_t nvfp4_block_scale(float bamax, float s_enc, float div = 6.f) {
+  return cast_fp8(__fmul_rn(__fdiv_rn(bamax, div), s_enc), false);
+}
+
+// Row-scaled NVFP4: S_enc of row / column idx of n from the slot's amax vector (1 past the end),
+// and, when `store`, that amax (NaN canonical) into the payload's amax vector.
+__device__ __forceinline__ float nvfp4_vector_senc(const SlotCfg& s, int64_t idx, int64_t n, bool store) {
+  const float am = idx < n ? __ldg(s.amax_in + idx) : 0.f;
+  if (store && idx < n) s.tensor_out[idx] = is_nan(am) ? u2f(kCanonicalNaN) : am;
+  return nvfp4_senc(am, s.gmax);
 }
 // Multiplier S_enc / s_b; 0 marks an all-zero-code block (s_b == 0).
 __device__ __forceinline__ float nvfp4_factor(uint8_t sb, float s_enc) {
@@ -175,6 +189,44 @@ __device__ __forceinline__ uint32_t e2m1_rne(float x) {
 // Magnitude of E2M1 code i in 0..7 (0, .5, 1, 1.5, 2, 3, 4, 6), without a run-time-indexed array.
 __device__ __forceinline__ float e2m1_magnitude(uint32_t i) {
   return i <= 4 ? __fmul_rn(float(i), 0.5f) : (i == 5 ? 3.f : (i == 6 ? 4.f : 6.f));
+}
+
+// Four-over-six: the block's two candidate scales (divisors 6 and 4), their values and multipliers.
+struct Fp4Candidates {
+  uint8_t sb6, sb4;
+  float v6, v4, m6, m4;
+};
+__device__ __forceinline__ Fp4Candidates nvfp4_candidates(float bamax, float s_enc) {
+  Fp4Candidates c;
+  c.sb6 = nvfp4_block_scale(bamax, s_enc);
+  c.sb4 = nvfp4_block_scale(bamax, s_enc, 4.f);
+  c.v6 = e4m3_value(c.sb6);
+  c.v4 = e4m3_value(c.sb4);
+  c.m6 = nvfp4_factor(c.sb6, s_enc);
+  c.m4 = nvfp4_factor(c.sb4, s_enc);
+  return c;
+}
+// One element's error under a candidate (multiplier m, scale value v) with RNE codes, in the
+// S_enc-scaled space: e = e2m1_value * v - x * S_enc (xs); |e| (mode 1) or e * e (mode 2).
+__device__ __forceinline__ float nvfp4_error(float x, float xs, float m, float v, int mode) {
+  const uint32_t c = m == 0.f ? 0u : e2m1_rne(__fmul_rn(x, m));
+  float q = e2m1_magnitude(c & 7);
+  if (c & 8) q = -q;
+  const float e = __fsub_rn(__fmul_rn(q, v), xs);
+  return mode == 2 ? __fmul_rn(e, e) : fabsf(e);
+}
+// Sequential sums (in order, the first term as the start) of both candidates' errors over n
+// elements x(0..n-1) of a block.
+template <int N, typename XFn>
+__device__ __forceinline__ void nvfp4_errors(XFn x, float s_enc, const Fp4Candidates& c, int mode, float& e6,
+                                             float& e4) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    const float v = x(k), xs = __fmul_rn(v, s_enc);
+    const float a = nvfp4_error(v, xs, c.m6, c.v6, mode), b = nvfp4_error(v, xs, c.m4, c.v4, mode);
+    e6 = k == 0 ? a : __fadd_rn(e6, a);
+    e4 = k == 0 ? b : __fadd_rn(e4, b);
+  }
 }
 
 // _bits.e2m1_encode_stochastic with 32 random bits r.

@@ -12,6 +12,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <cmath>
+
 #include "common.cuh"
 
 namespace dtq {
@@ -21,11 +23,18 @@ constexpr int kThreads = 256;
 
 struct DeqCfg {
   int kind, br, bc, e5m2, hadamard, signs, factored;
+  int row_scaled;  // NVFP4: one amax per row (br == 1) / column (bc == 1) in `tensor`
+  float gmax;      // NVFP4: e4m3_max * 6
   const uint8_t* data;
   const void* scale;
-  const float* tensor;  // fp32 scale_inv (FP8 per-tensor) or amax (NVFP4)
+  const float* tensor;  // fp32 scale_inv (FP8 per-tensor) or amax (NVFP4; row-scaled: [M] / [K])
   int64_t M, K;
 };
+
+// NVFP4 S_enc of element (r, c): the tensor's (s_enc), or its row's / column's.
+__device__ __forceinline__ float deq_senc(const DeqCfg& d, float s_enc, int64_t r, int64_t c) {
+  return d.row_scaled ? nvfp4_senc(d.tensor[d.br == 1 ? r : c], d.gmax) : s_enc;
+}
 
 __device__ __forceinline__ float fp8_value(uint8_t c, bool e5m2) {
   __half_raw h = __nv_cvt_fp8_to_halfraw(c, e5m2 ? __NV_E5M2 : __NV_E4M3);
@@ -52,14 +61,14 @@ __device__ __forceinline__ float element(const DeqCfg& d, float s_enc, int64_t r
     q = fp8_value(d.data[i], d.e5m2);
   }
   float v = __fmul_rn(q, block_scale(d, r, c));
-  if (d.kind == kNVFP4 && !d.factored) v = __fdiv_rn(v, s_enc);
+  if (d.kind == kNVFP4 && !d.factored) v = __fdiv_rn(v, deq_senc(d, s_enc, r, c));
   return v;
 }
 
 
 template <typename OutT>
 __global__ void __launch_bounds__(kThreads) dequant_kernel(DeqCfg d, OutT* __restrict__ out) {
-  const float s_enc = d.kind == kNVFP4 ? nvfp4_senc(*d.tensor) : 1.f;
+  const float s_enc = d.kind == kNVFP4 ? nvfp4_senc(*d.tensor, d.gmax) : 1.f;
   const int64_t n = d.M * d.K;
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads)
     from_f32(out + i, element(d, s_enc, i / d.K, i % d.K));
@@ -85,7 +94,7 @@ __device__ __forceinline__ void store8(__nv_bfloat16* p, const float (&v)[8]) {
 // column its own.
 template <typename OutT>
 __global__ void __launch_bounds__(kThreads) dequant_vec8_kernel(DeqCfg d, OutT* __restrict__ out) {
-  const float s_enc = d.kind == kNVFP4 ? nvfp4_senc(*d.tensor) : 1.f;
+  const float s_enc = d.kind == kNVFP4 ? nvfp4_senc(*d.tensor, d.gmax) : 1.f;
   const int64_t kv = d.K / 8, n = d.M * kv;
   for (int64_t v = int64_t(blockIdx.x) * kThreads + threadIdx.x; v < n; v += int64_t(gridDim.x) * kThreads) {
     const int64_t r = v / kv, c0 = (v - r * kv) * 8, i0 = r * d.K + c0;
@@ -115,7 +124,7 @@ __global__ void __launch_bounds__(kThreads) dequant_vec8_kernel(DeqCfg d, OutT* 
     }
     if (d.kind == kNVFP4 && !d.factored) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) vals[j] = __fdiv_rn(vals[j], s_enc);
+      for (int j = 0; j < 8; ++j) vals[j] = __fdiv_rn(vals[j], deq_senc(d, s_enc, r, c0 + j));
     }
     store8(out + i0, vals);
   }
@@ -156,7 +165,7 @@ __device__ __forceinline__ void column_scales16(const DeqCfg& d, int64_t idx, fl
 
 template <int KIND, bool COLS, typename OutT>
 __global__ void __launch_bounds__(kThreads) dequant_vec16_kernel(DeqCfg d, OutT* __restrict__ out) {
-  const float s_enc = KIND == kNVFP4 ? nvfp4_senc(*d.tensor) : 1.f;
+  const float s_enc = KIND == kNVFP4 ? nvfp4_senc(*d.tensor, d.gmax) : 1.f;
   const bool per_tensor = KIND == kFp8Scaled && d.br == 0;
   const float t_scale = per_tensor ? *d.tensor : 0.f;
   const int64_t kv = d.K / 16, n = d.M * kv;
@@ -190,7 +199,7 @@ __global__ void __launch_bounds__(kThreads) dequant_vec16_kernel(DeqCfg d, OutT*
     }
     if (KIND == kNVFP4 && !d.factored) {
 #pragma unroll
-      for (int j = 0; j < 16; ++j) vals[j] = __fdiv_rn(vals[j], s_enc);
+      for (int j = 0; j < 16; ++j) vals[j] = __fdiv_rn(vals[j], deq_senc(d, s_enc, r, c0 + j));
     }
     store8(out + i0, *reinterpret_cast<const float(*)[8]>(&vals[0]));
     store8(out + i0 + 8, *reinterpret_cast<const float(*)[8]>(&vals[8]));
@@ -200,7 +209,7 @@ __global__ void __launch_bounds__(kThreads) dequant_vec16_kernel(DeqCfg d, OutT*
 // Inverse transform T^T = diag(signs) . H16 / 4 of _bits.hadamard_rows(inverse=True): walsh, * 0.25, * signs.
 template <typename OutT>
 __global__ void __launch_bounds__(kThreads) dequant_hadamard_kernel(DeqCfg d, OutT* __restrict__ out) {
-  const float s_enc = nvfp4_senc(*d.tensor);
+  const float s_enc = nvfp4_senc(*d.tensor, d.gmax);
   const int64_t items = (d.M / 16) * d.K;
   for (int64_t it = int64_t(blockIdx.x) * kThreads + threadIdx.x; it < items; it += int64_t(gridDim.x) * kThreads) {
     const int64_t g = it / d.K, c = it % d.K;
@@ -228,12 +237,13 @@ bool vec16_ok(const DeqCfg& d, const at::Tensor& out) {
 
 }  // namespace
 
-// cfg: kind, br, bc, e5m2, hadamard, signs, factored (see SlotKind / SlotCfg in common.cuh)[, widest vector width].
+// cfg: kind, br, bc, e5m2, hadamard, signs, factored, row_scaled, e4m3_max code (see SlotKind / SlotCfg in
+// common.cuh)[, widest vector width].
 void dequantize(const at::Tensor& data, const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& tensor,
                 const std::vector<int64_t>& cfg, const at::Tensor& out) {
-  TORCH_CHECK(cfg.size() == 7 || cfg.size() == 8, "dtq kernels: dequantize config needs 7 ints (an 8th: widest "
+  TORCH_CHECK(cfg.size() == 9 || cfg.size() == 10, "dtq kernels: dequantize config needs 9 ints (a 10th: widest "
               "vector width allowed, 16 or 8, for benchmarks)");
-  const int64_t max_width = cfg.size() == 8 ? cfg[7] : 16;
+  const int64_t max_width = cfg.size() == 10 ? cfg[9] : 16;
   TORCH_CHECK(max_width == 16 || max_width == 8, "dtq kernels: dequantize vector width must be 16 or 8, got ",
               max_width);
   TORCH_CHECK(out.is_cuda() && out.dim() == 2 && out.is_contiguous() &&
@@ -242,7 +252,12 @@ void dequantize(const at::Tensor& data, const c10::optional<at::Tensor>& scale, 
   TORCH_CHECK(data.is_cuda() && data.is_contiguous() && data.element_size() == 1, "dtq kernels: codes must be 1-byte");
   DeqCfg d{};
   d.kind = int(cfg[0]); d.br = int(cfg[1]); d.bc = int(cfg[2]); d.e5m2 = int(cfg[3]);
-  d.hadamard = int(cfg[4]); d.signs = int(cfg[5]); d.factored = int(cfg[6]);
+  d.hadamard = int(cfg[4]); d.signs = int(cfg[5]); d.factored = int(cfg[6]); d.row_scaled = int(cfg[7]);
+  if (d.kind == kNVFP4) {
+    TORCH_CHECK(cfg[8] >= 0x38 && cfg[8] <= 0x7E, "dtq kernels: NVFP4 e4m3_max must be an E4M3 code of [1, 448]");
+    const int e = int(cfg[8] >> 3) & 15, m = int(cfg[8]) & 7;
+    d.gmax = std::ldexp(float(8 + m), e - 10) * 6.f;  // the normal E4M3 value times 6, exact
+  }
   d.M = out.size(0); d.K = out.size(1);
   d.data = reinterpret_cast<const uint8_t*>(data.data_ptr());
   if (scale.has_value()) {
@@ -251,6 +266,9 @@ void dequantize(const at::Tensor& data, const c10::optional<at::Tensor>& scale, 
   }
   if (tensor.has_value()) {
     TORCH_CHECK(tensor->is_cuda() && tensor->scalar_type() == at::kFloat, "dtq kernels: per-tensor value is fp32 CUDA");
+    TORCH_CHECK(!d.row_scaled || (d.kind == kNVFP4 && tensor->is_contiguous() &&
+                                  tensor->numel() == (d.br == 1 ? d.M : d.K) && (d.br == 1 || d.bc == 1)),
+                "dtq kernels: row-scaled NVFP4 needs one contiguous amax per row (rowwise) or column (columnwise)");
     d.tensor = tensor->data_ptr<float>();
   }
   TORCH_CHECK(d.kind == kFp8Scaled || d.kind == kMXFP8 || d.kind == kNVFP4, "dtq kernels: no dequantize kernel for kind ", d.kind);

@@ -19,6 +19,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <cmath>
 #include <cstdlib>
 
 #include "common.cuh"
@@ -37,9 +38,15 @@ constexpr int kTile = 128;
 constexpr int kThreads = 256;
 constexpr int kGroups = kTile / 16;  // 16-row groups per tile
 
+// Columnwise NVFP4 slots done wholly in the column pass (hadamard_nvfp4's registers): the random
+// Hadamard, row-scaled S_enc per column, four-over-six (which needs every value of a block).
+__host__ __device__ inline bool column_in_registers(const SlotCfg& s) {
+  return s.kind == kNVFP4 && s.br == 16 && s.bc == 1 && (s.hadamard || s.row_scaled || s.fos);
+}
+
 __host__ __device__ inline int blocks_per_tile(const SlotCfg& s) {
   if (s.br <= 1 || s.kind == kFp8Row) return 0;  // row blocks, per-tensor and per-axis scales need no table
-  if (s.hadamard) return 0;
+  if (column_in_registers(s)) return 0;
   return (kTile / s.br) * (kTile / s.bc);
 }
 
@@ -193,17 +200,39 @@ __device__ __forceinline__ void write_slot_row(const SlotCfg& s, const Chunk<T>&
   }
 }
 
-// Columnwise NVFP4 with the 16-point random Hadamard for one 16-row group of 2 adjacent columns,
-// all in registers (w0, w1 are transformed in place).
-__device__ __forceinline__ void hadamard_nvfp4(const SlotCfg& s, float (&w0)[16], float (&w1)[16], int64_t M,
-                                               int64_t K, int64_t r0, int64_t col, float s_enc, uint32_t key) {
-  hadamard16(w0, s.signs);
-  hadamard16(w1, s.signs);
+// NVFP4 scale byte and multiplier of one block whose 16 values v(0..15) this thread holds: from
+// its amax, or with four-over-six from both candidates' errors (two sequential halves, then added).
+template <typename VFn>
+__device__ __forceinline__ float nvfp4_block16(const SlotCfg& s, float bamax, float s_enc, VFn v, uint8_t& sb) {
+  if (!s.fos) {
+    sb = nvfp4_block_scale(bamax, s_enc);
+    return nvfp4_factor(sb, s_enc);
+  }
+  const Fp4Candidates c = nvfp4_candidates(bamax, s_enc);
+  float lo6, lo4, hi6, hi4;
+  nvfp4_errors<8>(v, s_enc, c, s.fos, lo6, lo4);
+  nvfp4_errors<8>([&](int k) { return v(k + 8); }, s_enc, c, s.fos, hi6, hi4);
+  const bool four = __fadd_rn(lo4, hi4) < __fadd_rn(lo6, hi6);  // ties and NaN keep 6
+  sb = four ? c.sb4 : c.sb6;
+  return four ? c.m4 : c.m6;
+}
+
+// Columnwise NVFP4 for one 16-row group of 2 adjacent columns, all in registers (w0, w1 are
+// transformed in place): the 16-point random Hadamard, row-scaled S_enc, four-over-six.
+__device__ __forceinline__ void column_nvfp4(const SlotCfg& s, float (&w0)[16], float (&w1)[16], int64_t M,
+                                             int64_t K, int64_t r0, int64_t col, float s_enc, uint32_t key) {
+  if (s.hadamard) {
+    hadamard16(w0, s.signs);
+    hadamard16(w1, s.signs);
+  }
   uint32_t a0 = 0, a1 = 0;
 #pragma unroll
   for (int i = 0; i < 16; ++i) { a0 = umax(a0, abs_bits(w0[i])); a1 = umax(a1, abs_bits(w1[i])); }
-  const uint8_t sb0 = nvfp4_block_scale(u2f(a0), s_enc), sb1 = nvfp4_block_scale(u2f(a1), s_enc);
-  const float f0 = nvfp4_factor(sb0, s_enc), f1 = nvfp4_factor(sb1, s_enc);
+  const float se0 = s.row_scaled ? nvfp4_vector_senc(s, col, K, r0 == 0) : s_enc;
+  const float se1 = s.row_scaled ? nvfp4_vector_senc(s, col + 1, K, r0 == 0) : s_enc;
+  uint8_t sb0, sb1;
+  const float f0 = nvfp4_block16(s, u2f(a0), se0, [&](int i) { return w0[i]; }, sb0);
+  const float f1 = nvfp4_block16(s, u2f(a1), se1, [&](int i) { return w1[i]; }, sb1);
   if (r0 >= M || col >= K) return;  // M % 16 == 0 and K % 16 == 0: groups are whole
   uint8_t* sc = reinterpret_cast<uint8_t*>(s.scale) + (r0 / 16) * K + col;
   sc[0] = sb0;
@@ -273,10 +302,12 @@ __global__ void __launch_bounds__(kThreads) fused_quantize_kernel(const T* __res
   for (int si = 0; si < 2; ++si) {
     const SlotCfg& s = slot(si);
     if (s.kind == kNVFP4) {
-      float am = *s.amax_in;
-      s_enc[si] = nvfp4_senc(am);
+      if (!s.row_scaled) {  // row-scaled slots read S_enc per row / column (nvfp4_vector_senc)
+        float am = *s.amax_in;
+        s_enc[si] = nvfp4_senc(am, s.gmax);
+        if (blockIdx.x == 0 && t == 0) *s.tensor_out = is_nan(am) ? u2f(kCanonicalNaN) : am;
+      }
       if (s.sr) key[si] = rng_key(s.seed, s.stream);
-      if (blockIdx.x == 0 && t == 0) *s.tensor_out = is_nan(am) ? u2f(kCanonicalNaN) : am;
     } else if (s.kind == kFp8Scaled && s.br == 0) {
       tensor_mult[si] = scale_from_amax(*s.amax_in, s.fmax, s.pow2);
       if (blockIdx.x == 0 && t == 0) *s.tensor_out = __frcp_rn(tensor_mult[si]);
@@ -333,8 +364,8 @@ __global__ void __launch_bounds__(kThreads) fused_quantize_kernel(const T* __res
       colamax[(rq * 2 + g) * kTile + 2 * cp + 1] = a1;
 #pragma unroll
       for (int si = 0; si < 2; ++si) {
-        if (slot(si).hadamard)
-          hadamard_nvfp4(slot(si), c0, c1, M, K, m0 + rq * 32 + g * 16, k0 + 2 * cp, s_enc[si], key[si]);
+        if (column_in_registers(slot(si)))
+          column_nvfp4(slot(si), c0, c1, M, K, m0 + rq * 32 + g * 16, k0 + 2 * cp, s_enc[si], key[si]);
       }
     }
   }
@@ -423,7 +454,7 @@ __global__ void __launch_bounds__(kThreads) fused_quantize_kernel(const T* __res
 #pragma unroll
     for (int si = 0; si < 2; ++si) {
       const SlotCfg& s = slot(si);
-      if (s.kind == kNone || s.hadamard) continue;
+      if (s.kind == kNone || column_in_registers(s)) continue;
       if (s.kind == kFp8Row && s.br == 1) {  // one scale per row
         const float m = fp8_axis_mult(s, row, M, col0 == 0);
         if (col0 < K) write_slot_row<T>(s, ch, [&](int) { return m; }, K, row, col0, vec, key[si]);
@@ -431,7 +462,15 @@ __global__ void __launch_bounds__(kThreads) fused_quantize_kernel(const T* __res
         uint32_t am = am16;
         for (int o = 1; o < s.bc / 16; o <<= 1) am = umax(am, __shfl_xor_sync(gmask, am, o));
         uint32_t bits;
-        const float m = block_params(s, u2f(am), s_enc[si], bits);
+        float m;
+        if (s.kind == kNVFP4 && (s.row_scaled || s.fos)) {  // 1 x 16: the thread holds the whole block
+          const float se = s.row_scaled ? nvfp4_vector_senc(s, row, M, col0 == 0) : s_enc[si];
+          uint8_t sb;
+          m = nvfp4_block16(s, u2f(am), se, [&](int j) { return ch.f32(j); }, sb);
+          bits = sb;
+        } else {
+          m = block_params(s, u2f(am), s_enc[si], bits);
+        }
         if (cc % (s.bc / 16) == 0 && col0 < K) store_scale(s, row * ((K + s.bc - 1) / s.bc) + col0 / s.bc, bits);
         if (col0 < K) write_slot_row<T>(s, ch, [&](int) { return m; }, K, row, col0, vec, key[si]);
       } else if (s.bc == 1) {
@@ -446,14 +485,28 @@ __global__ void __launch_bounds__(kThreads) fused_quantize_kernel(const T* __res
   }
 }
 
+// Value of an e4m3fn code on the host (the NVFP4 e4m3_max setting; finite codes only).
+float e4m3_host(int64_t code) {
+  const int e = int(code >> 3) & 15, m = int(code) & 7;
+  return e == 0 ? std::ldexp(float(m), -9) : std::ldexp(float(8 + m), e - 10);
+}
+
 SlotCfg make_cfg(const std::vector<int64_t>& c, const std::vector<at::Tensor>& outs,
                  const c10::optional<at::Tensor>& amax, const c10::optional<at::Tensor>& seed, int64_t M, int64_t K) {
   SlotCfg s{};
-  TORCH_CHECK(c.size() == 11, "dtq kernels: slot config needs 11 ints");
+  TORCH_CHECK(c.size() == 14, "dtq kernels: slot config needs 14 ints");
   s.kind = int(c[0]); s.br = int(c[1]); s.bc = int(c[2]); s.e5m2 = int(c[3]); s.pow2 = int(c[4]);
   s.floor_mode = int(c[5]); s.sr = int(c[6]); s.stream = int(c[7]); s.hadamard = int(c[8]);
-  s.signs = int(c[9]); s.out_dtype = int(c[10]);
+  s.signs = int(c[9]); s.out_dtype = int(c[10]); s.row_scaled = int(c[11]); s.fos = int(c[12]);
   s.fmax = s.e5m2 ? 57344.f : 448.f;
+  if (s.kind == kNVFP4) {
+    TORCH_CHECK(c[13] >= 0x38 && c[13] <= 0x7E, "dtq kernels: NVFP4 e4m3_max must be an E4M3 code of [1, 448], got ",
+                c[13]);
+    TORCH_CHECK(s.fos >= 0 && s.fos <= 2, "dtq kernels: NVFP4 four-over-six mode must be 0, 1 or 2");
+    TORCH_CHECK(!s.row_scaled || (s.br == 1 && s.bc == 16) || (s.br == 16 && s.bc == 1),
+                "dtq kernels: row-scaled NVFP4 has 1 x 16 or 16 x 1 blocks");
+    s.gmax = e4m3_host(c[13]) * 6.f;  // exact: 4 significant bits times 6
+  }
   if (s.kind == kNone) return s;
   const size_t need = s.kind == kNVFP4 ? 3 : (s.kind == kIdentity ? 1 : 2);
   TORCH_CHECK(outs.size() == need, "dtq kernels: slot kind ", s.kind, " takes ", need, " output tensors");
@@ -462,7 +515,14 @@ SlotCfg make_cfg(const std::vector<int64_t>& c, const std::vector<at::Tensor>& o
   if (s.kind == kFp8Scaled && s.br == 0) s.tensor_out = outs[1].data_ptr<float>();
   else if (need >= 2) s.scale = outs[1].data_ptr();
   if (s.kind == kNVFP4) s.tensor_out = outs[2].data_ptr<float>();
-  if (s.kind == kNVFP4 || (s.kind == kFp8Scaled && s.br == 0)) {
+  if (s.kind == kNVFP4 && s.row_scaled) {
+    const int64_t n = s.br == 1 ? M : K;
+    TORCH_CHECK(amax.has_value() && amax->scalar_type() == at::kFloat && amax->is_cuda() && amax->is_contiguous() &&
+                    amax->numel() == n && outs[2].numel() == n,
+                "dtq kernels: a row-scaled NVFP4 slot needs a contiguous fp32 CUDA amax (and amax output) of ", n,
+                " values");
+    s.amax_in = amax->data_ptr<float>();
+  } else if (s.kind == kNVFP4 || (s.kind == kFp8Scaled && s.br == 0)) {
     TORCH_CHECK(amax.has_value() && amax->scalar_type() == at::kFloat && amax->is_cuda(),
                 "dtq kernels: this slot needs an fp32 CUDA amax");
     s.amax_in = amax->data_ptr<float>();
@@ -509,12 +569,14 @@ void launch(const at::Tensor& x, const SlotCfg& a, const SlotCfg& b, int vec_ok)
 
 }  // namespace
 
-void quantize_fused(const at::Tensor& x, const std::vector<int64_t>& cfg_a, const std::vector<at::Tensor>& outs_a,
+// Returns false, launching nothing, where only the generic kernel applies and it lacks an option
+// (four-over-six 16 x 16 NVFP4 blocks): the caller runs the reference.
+bool quantize_fused(const at::Tensor& x, const std::vector<int64_t>& cfg_a, const std::vector<at::Tensor>& outs_a,
                     const c10::optional<at::Tensor>& amax_a, const std::vector<int64_t>& cfg_b,
                     const std::vector<at::Tensor>& outs_b, const c10::optional<at::Tensor>& amax_b,
                     const c10::optional<at::Tensor>& seed) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "dtq kernels: x must be a contiguous 2-D CUDA tensor");
-  if (x.numel() == 0) return;
+  if (x.numel() == 0) return true;
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t M = x.size(0), K = x.size(1);
   SlotCfg a = make_cfg(cfg_a, outs_a, amax_a, seed, M, K), b = make_cfg(cfg_b, outs_b, amax_b, seed, M, K);
@@ -535,14 +597,17 @@ void quantize_fused(const at::Tensor& x, const std::vector<int64_t>& cfg_a, cons
       case at::kHalf: done = fast::launch<__half>(x, a, b); break;
       default: break;
     }
-    if (done) return;
+    if (done) return true;
   }
+  for (const SlotCfg* s : {&a, &b})
+    if (s->kind == kNVFP4 && s->fos && s->br == 16 && s->bc == 16) return false;
   switch (x.scalar_type()) {
     case at::kFloat: launch<float>(x, a, b, vec_ok); break;
     case at::kBFloat16: launch<__nv_bfloat16>(x, a, b, vec_ok); break;
     case at::kHalf: launch<__half>(x, a, b, vec_ok); break;
     default: TORCH_CHECK(false, "dtq kernels: unsupported input dtype ", x.scalar_type());
   }
+  return true;
 }
 
 }  // namespace dtq

@@ -9,7 +9,7 @@
 #include <vector>
 
 namespace dtq {
-void quantize_fused(const at::Tensor& x, const std::vector<int64_t>& cfg_a, const std::vector<at::Tensor>& outs_a,
+bool quantize_fused(const at::Tensor& x, const std::vector<int64_t>& cfg_a, const std::vector<at::Tensor>& outs_a,
                     const c10::optional<at::Tensor>& amax_a, const std::vector<int64_t>& cfg_b,
                     const std::vector<at::Tensor>& outs_b, const c10::optional<at::Tensor>& amax_b,
                     const c10::optional<at::Tensor>& seed);
@@ -52,7 +52,8 @@ enum AmaxMode : int64_t { kGiven = 0, kX = 1, kHadamard = 2, kRows = 3, kCols = 
 
 }  // namespace
 
-// Returns the output tensors of slot a, then those of slot b, in their field order.
+// Returns the output tensors of slot a, then those of slot b, in their field order; none where
+// quantize_fused launched nothing (the generic kernel lacks an option: the caller runs the reference).
 std::vector<at::Tensor> quantize_alloc(const at::Tensor& x, const std::vector<int64_t>& cfg_a,
                                        const std::vector<int64_t>& fields_a, const c10::optional<at::Tensor>& amax_a,
                                        int64_t mode_a, const std::vector<int64_t>& cfg_b,
@@ -84,7 +85,7 @@ std::vector<at::Tensor> quantize_alloc(const at::Tensor& x, const std::vector<in
     }
   }
   std::vector<at::Tensor> outs_a = allocate(fields_a, base), outs_b = allocate(fields_b, base);
-  quantize_fused(x, cfg_a, outs_a, am[0], cfg_b, outs_b, am[1], seed);
+  if (!quantize_fused(x, cfg_a, outs_a, am[0], cfg_b, outs_b, am[1], seed)) return {};
   outs_a.insert(outs_a.end(), outs_b.begin(), outs_b.end());
   return outs_a;
 }

@@ -32,11 +32,17 @@ namespace fast {
 constexpr int kThreads = 256;
 constexpr int kTile = 128;
 
-// Compile-time slot type: payload kind, block shape (0, 0: one scale per tensor), Hadamard.
-template <int KIND, int BR, int BC, bool HAD = false>
+// NVFP4 with an option: row-scaled S_enc, four-over-six scales, an e4m3_max other than 448.
+inline bool nvfp4_options(const SlotCfg& s) { return s.row_scaled || s.fos || s.gmax != 2688.f; }
+
+// Compile-time slot type: payload kind, block shape (0, 0: one scale per tensor), Hadamard, and
+// OPT: NVFP4 with options (nvfp4_options; kept out of the plain slots' code, whose registers it
+// would otherwise spill).
+template <int KIND, int BR, int BC, bool HAD = false, bool OPT = false>
 struct Slot {
   static constexpr int kind = KIND, br = BR, bc = BC;
   static constexpr bool had = HAD;
+  static constexpr bool opt = OPT;
   static constexpr bool none = KIND == kNone;
   static constexpr bool ident = KIND == kIdentity;
   static constexpr bool tensor = KIND == kFp8Scaled && BR == 0;
@@ -48,7 +54,8 @@ struct Slot {
   static constexpr bool colmax = col || blk;  // needs the per-column maxima
   static constexpr bool tall = colmax && BR > 16;  // needs the shared-memory combine
   static bool match(const SlotCfg& s) {
-    return s.kind == KIND && (KIND == kNone || (s.br == BR && s.bc == BC && bool(s.hadamard) == HAD));
+    return s.kind == KIND && (KIND == kNone || (s.br == BR && s.bc == BC && bool(s.hadamard) == HAD &&
+                                                (KIND != kNVFP4 || nvfp4_options(s) == OPT)));
   }
 };
 
@@ -66,6 +73,10 @@ using NvH = Slot<kNVFP4, 16, 1, true>;
 using Id = Slot<kIdentity, 0, 0>;
 using Fp8RowR = Slot<kFp8Row, 1, 0>;
 using Fp8RowC = Slot<kFp8Row, 0, 1>;
+using NvRo = Slot<kNVFP4, 1, 16, false, true>;
+using NvCo = Slot<kNVFP4, 16, 1, false, true>;
+using NvBo = Slot<kNVFP4, 16, 16, false, true>;
+using NvHo = Slot<kNVFP4, 16, 1, true, true>;
 
 // (rowwise-or-only slot, second slot): the pairs dtq's formats and hybrids produce.
 #define DTQ_FAST_PAIRS(X)                                                                               \
@@ -73,7 +84,9 @@ using Fp8RowC = Slot<kFp8Row, 0, 1>;
   X(NvC, None) X(NvB, None) X(NvH, None) X(Id, None)                                                    \
   X(Fp8R, Fp8C) X(MxR, MxC) X(NvR, NvC) X(NvR, NvH)                                                     \
   X(MxR, NvH) X(Fp8R, Fp8B) X(MxR, NvB) X(Fp8T, MxC) X(Fp8R, NvB) X(Id, NvC) X(NvR, Id) X(Fp8B, Id)     \
-  X(NvR, MxC) X(MxR, Fp8C) X(Fp8RowR, None) X(Fp8RowC, None) X(Fp8RowR, Fp8RowC)
+  X(NvR, MxC) X(MxR, Fp8C) X(Fp8RowR, None) X(Fp8RowC, None) X(Fp8RowR, Fp8RowC)                       \
+  X(NvRo, None) X(NvCo, None) X(NvBo, None) X(NvHo, None) X(NvRo, NvCo) X(NvRo, NvHo) X(NvRo, MxC)      \
+  X(NvRo, Id) X(MxR, NvBo) X(MxR, NvHo) X(MxR, NvC) X(MxR, Id) X(Id, MxC)
 
 // ------------------------------------------------------------------------------------------
 // Element access of one thread's 8 x 8 sub-tile, kept as the raw 16-byte vectors.
@@ -262,15 +275,47 @@ template <class S>
 __device__ __forceinline__ SlotConst slot_const(const SlotCfg& s) {
   SlotConst c;
   if constexpr (S::fp4) {
-    const float am = *s.amax_in;
-    c.s_enc = nvfp4_senc(am);
+    if (!S::opt || !s.row_scaled) {  // row-scaled slots read S_enc per row / column (nvfp4_vector_senc)
+      const float am = *s.amax_in;
+      c.s_enc = nvfp4_senc(am, S::opt ? s.gmax : 2688.f);
+      if (blockIdx.x == 0 && threadIdx.x == 0) *s.tensor_out = is_nan(am) ? u2f(kCanonicalNaN) : am;
+    }
     if (s.sr) c.key = rng_key(s.seed, s.stream);
-    if (blockIdx.x == 0 && threadIdx.x == 0) *s.tensor_out = is_nan(am) ? u2f(kCanonicalNaN) : am;
   } else if constexpr (S::tensor) {
     c.tmult = scale_from_amax(*s.amax_in, s.fmax, s.pow2);
     if (blockIdx.x == 0 && threadIdx.x == 0) *s.tensor_out = __frcp_rn(c.tmult);
   }
   return c;
+}
+
+// S_enc of row / column idx (of n): the slot's per-tensor value, or a row-scaled slot's own; `store`
+// writes a row-scaled slot's amax vector entry (the threads of the first column / row tile do).
+template <class S>
+__device__ __forceinline__ float slot_senc(const SlotCfg& s, const SlotConst& c, int64_t idx, int64_t n, bool store) {
+  if constexpr (S::opt) {
+    if (s.row_scaled) return nvfp4_vector_senc(s, idx, n, store);
+  }
+  return c.s_enc;
+}
+
+// Four-over-six scale of one block from both candidates' errors: this thread's sum over its part
+// of the block (x(k), k < N, in the block's order) plus the other part's, held by the lanes `o1`
+// (and then `o2`) away, in _bits.block_sum's order. Returns the multiplier; bits: the scale byte.
+template <int N, typename XFn>
+__device__ __forceinline__ float fos_pick(const SlotCfg& s, float bamax, float s_enc, XFn x, int o1, int o2,
+                                          uint32_t& bits) {
+  const Fp4Candidates c = nvfp4_candidates(bamax, s_enc);
+  float e6, e4;
+  nvfp4_errors<N>(x, s_enc, c, s.fos, e6, e4);
+  e6 = __fadd_rn(e6, __shfl_xor_sync(0xFFFFFFFFu, e6, o1));
+  e4 = __fadd_rn(e4, __shfl_xor_sync(0xFFFFFFFFu, e4, o1));
+  if (o2) {
+    e6 = __fadd_rn(e6, __shfl_xor_sync(0xFFFFFFFFu, e6, o2));
+    e4 = __fadd_rn(e4, __shfl_xor_sync(0xFFFFFFFFu, e4, o2));
+  }
+  const bool four = e4 < e6;  // ties and NaN keep 6
+  bits = four ? c.sb4 : c.sb6;
+  return four ? c.m4 : c.m6;
 }
 
 // Everything of one slot for the thread's 8 x 8 sub-tile.
@@ -283,6 +328,38 @@ __device__ __forceinline__ void do_slot(const SlotCfg& s, const SlotConst& c, co
     return;
   } else {
     const bool cok = col < K;
+    if constexpr (S::opt && !S::blk) {
+      // a row-scaled slot's amax vector: stored by the threads of the first column (row) tile
+      if (s.row_scaled) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          if constexpr (S::row) slot_senc<S>(s, c, row0 + k, M, col == 0);
+          else slot_senc<S>(s, c, col + k, K, row0 == 0 && cok);
+        }
+      }
+    }
+    if constexpr (S::row && S::opt) {
+      if (s.fos) {
+        // 4/6 1 x 16 blocks over lane pairs (xor 1): both lanes derive both candidates of all 8
+        // rows, add each other's error sums over their 8 columns and pick the same scale.
+        const int64_t ld = K / 16;
+        const int lane = threadIdx.x & 31;
+        float m[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int64_t r = row0 + i;
+          const uint32_t a = umax(ra[i], __shfl_xor_sync(0xFFFFFFFFu, ra[i], 1));
+          uint32_t bits;
+          m[i] = fos_pick<8>(s, u2f(a), slot_senc<S>(s, c, r, M, false), [&](int j) { return d.f(i, j); }, 1, 0,
+                             bits);
+          if (r < M && cok && (lane & 1) == 0) store_scale1<kNVFP4>(s, r * ld + col / 16, bits);
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          if (row0 + i < M && cok) store_row<S>(s, d, i, [&](int) { return m[i]; }, (row0 + i) * K + col, c.key);
+        return;
+      }
+    }
     if constexpr (S::row) {
       // Reduce-scatter the 8 row maxima over the L lanes of a row block (halving the live values
       // per shuffle stage), so each lane derives the scale of 8 / L rows (1 for L >= 8) instead
@@ -318,8 +395,8 @@ __device__ __forceinline__ void do_slot(const SlotCfg& s, const SlotConst& c, co
 #pragma unroll
       for (int k = 0; k < held; ++k) {
         uint32_t bits;
-        m[k] = block_params<S::kind>(s, u2f(v[k]), c.s_enc, bits);
         const int64_t r = row0 + rbase + k;
+        m[k] = block_params<S::kind>(s, u2f(v[k]), slot_senc<S>(s, c, r, M, false), bits);
         if (r < M && bok && (lane & (dup - 1)) == 0) store_scale1<S::kind>(s, r * ld + col / S::bc, bits);
       }
       // All-gather: undo the halving stages, smallest lane bit first.
@@ -354,13 +431,31 @@ __device__ __forceinline__ void do_slot(const SlotCfg& s, const SlotConst& c, co
         }
       }
       const bool first = h == 0 && (w % (S::br / 16)) == 0 && row0 < M && cok;  // writes the scales
+      if constexpr (S::col && S::opt) {
+        if (s.fos) {
+          // 4/6 16 x 1 blocks over the half-warps (xor 16): both derive both candidates of the 8
+          // columns, add each other's error sums over their 8 rows and pick the same scales.
+          float mult[8];
+          uint32_t bits[8];
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+            mult[j] = fos_pick<8>(s, u2f(am[j]), slot_senc<S>(s, c, col + j, K, false),
+                                  [&](int i) { return d.f(i, j); }, 16, 0, bits[j]);
+          if (h == 0 && row0 < M && cok) store_scales8<kNVFP4>(s, (row0 / 16) * K + col, bits);
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            if (row0 + i < M && cok) store_row<S>(s, d, i, [&](int j) { return mult[j]; }, (row0 + i) * K + col, c.key);
+          return;
+        }
+      }
       if constexpr (S::col) {
         // Half-warp h derives the scales of columns 4h..4h+3 and swaps multipliers with the other.
         float mult[8];
         uint32_t bits[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          const float mine = block_params<S::kind>(s, u2f(h ? am[k + 4] : am[k]), c.s_enc, bits[k]);
+          const float mine = block_params<S::kind>(s, u2f(h ? am[k + 4] : am[k]),
+                                                   slot_senc<S>(s, c, col + (h ? k + 4 : k), K, false), bits[k]);
           const float other = __shfl_xor_sync(0xFFFFFFFFu, mine, 16);
           mult[k] = h ? other : mine;
           mult[k + 4] = h ? mine : other;
@@ -384,7 +479,15 @@ __device__ __forceinline__ void do_slot(const SlotCfg& s, const SlotConst& c, co
 #pragma unroll
         for (int o = 1; o < S::bc / 8; o <<= 1) a = umax(a, __shfl_xor_sync(0xFFFFFFFFu, a, o));
         uint32_t bits;
-        const float m = block_params<S::kind>(s, u2f(a), c.s_enc, bits);
+        float m;
+        if constexpr (S::opt) {
+          // 4/6 16 x 16 blocks: this thread's 8 x 8 quarter (row-major), then the column halves
+          // (xor 1), then the row halves (xor 16)
+          m = s.fos ? fos_pick<64>(s, u2f(a), c.s_enc, [&](int k) { return d.f(k / 8, k % 8); }, 1, 16, bits)
+                    : block_params<S::kind>(s, u2f(a), c.s_enc, bits);
+        } else {
+          m = block_params<S::kind>(s, u2f(a), c.s_enc, bits);
+        }
         if (first && cv % (S::bc / 8) == 0)
           store_scale1<S::kind>(s, (row0 / S::br) * ((K + S::bc - 1) / S::bc) + col / S::bc, bits);
 #pragma unroll
@@ -422,9 +525,15 @@ __device__ __forceinline__ void do_slot(const SlotCfg& s, const SlotConst& c, co
           a = umax(a, abs_bits(v[i]));
         }
         a = umax(a, __shfl_xor_sync(0xFFFFFFFFu, a, 16));
-        const uint8_t sb = nvfp4_block_scale(u2f(a), c.s_enc);
-        bits[j] = sb;
-        const float f = nvfp4_factor(sb, c.s_enc);
+        const float se = slot_senc<S>(s, c, col + j, K, false);
+        float f;
+        if (S::opt && s.fos) {
+          f = fos_pick<8>(s, u2f(a), se, [&](int i) { return v[i]; }, 16, 0, bits[j]);
+        } else {
+          const uint8_t sb = nvfp4_block_scale(u2f(a), se);
+          bits[j] = sb;
+          f = nvfp4_factor(sb, se);
+        }
 #pragma unroll
         for (int i = 0; i < 8; ++i)
           codes[i] |= fp4_code(v[i], f, sr, c.key, uint32_t(row0 + i) * uint32_t(K) + uint32_t(col) + j) << (4 * j);

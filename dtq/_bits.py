@@ -176,8 +176,11 @@ def random_bits(seed: torch.Tensor, stream: int, numel: int, device: torch.devic
 # 16-point randomized Hadamard transform
 
 
-def hadamard_signs(seed: int, device: torch.device) -> torch.Tensor:
-    """The +-1 diagonal of the randomized transform: sign j is bit 0 of ``hash32(seed * 16 + j)``."""
+def hadamard_signs(seed: int | None, device: torch.device) -> torch.Tensor:
+    """The +-1 diagonal of the randomized transform: sign j is bit 0 of ``hash32(seed * 16 + j)``
+    (the random sign mask); all +1 for ``seed=None`` (a plain Hadamard transform)."""
+    if seed is None:
+        return torch.ones(16, dtype=torch.float32, device=device)
     bits = hash32(torch.arange(16, dtype=torch.int64, device=device) + (seed & _M32) * 16) & 1
     return 1.0 - 2.0 * bits.to(torch.float32)
 
@@ -196,7 +199,7 @@ def _walsh16(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def hadamard_rows(x: torch.Tensor, seed: int, inverse: bool = False) -> torch.Tensor:
+def hadamard_rows(x: torch.Tensor, seed: int | None, inverse: bool = False) -> torch.Tensor:
     """Apply T = H16 . diag(signs) / 4 (orthogonal) to every group of 16 rows of a [M, K] fp32
     tensor; ``inverse`` applies T^T. M must be a multiple of 16."""
     m, k = x.shape
@@ -213,6 +216,15 @@ def hadamard_rows(x: torch.Tensor, seed: int, inverse: bool = False) -> torch.Te
 # Block helpers (partial edge blocks allowed)
 
 
+def axis_amax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """max|x| along ``dim`` of a [M, K] tensor (kept as a size-1 dim), NaN canonical; 0 over an empty dim."""
+    if x.shape[dim] == 0:
+        shape = list(x.shape)
+        shape[dim] = 1
+        return torch.zeros(shape, dtype=torch.float32, device=x.device)
+    return canonical_nan(x.abs().amax(dim=dim, keepdim=True).to(torch.float32))
+
+
 def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """max|x| over each (br, bc) tile of a [M, K] tensor -> [ceil(M/br), ceil(K/bc)]; NaN propagates."""
     br, bc = block
@@ -222,6 +234,26 @@ def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     if mb * br != m or kb * bc != k:
         a = torch.nn.functional.pad(a, (0, kb * bc - k, 0, mb * br - m))
     return a.reshape(mb, br, kb, bc).amax(dim=(1, 3))
+
+
+def block_sum(r: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Sum over each (br, bc) tile of a [M, K] fp32 tensor (br, bc in {1, 16}; whole tiles) in the
+    order the kernels add: each 8-row x 8-column quarter (1 x 8 / 8 x 1 halves of a 1-D tile)
+    sequentially in row-major order, then the two column halves, then the two row halves:
+    ``(q00 + q01) + (q10 + q11)``. fp32 addition is commutative, so either lane of a shuffle may
+    add its partner's sum to its own."""
+    br, bc = block
+    m, k = r.shape
+    hr, ir = (2, 8) if br == 16 else (1, 1)
+    hc, ic = (2, 8) if bc == 16 else (1, 1)
+    v = r.reshape(m // br, hr, ir, k // bc, hc, ic)
+    acc = None
+    for i in range(ir):
+        for j in range(ic):
+            t = v[:, :, i, :, :, j]
+            acc = t if acc is None else acc + t
+    rows = acc[..., 0] if hc == 1 else acc[..., 0] + acc[..., 1]  # [m/br, hr, k/bc]
+    return rows[:, 0] if hr == 1 else rows[:, 0] + rows[:, 1]
 
 
 def expand_blocks(s: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:

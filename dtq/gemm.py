@@ -102,15 +102,17 @@ class Operand:
         return torch.bfloat16 if self.tensor.dtype == torch.bfloat16 else torch.float32
 
     def values(self, rotated: bool = False, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[rows, cols] of op(X) in ``dtype`` and its per-tensor factor (``rotated``: left in the
-        payload's rotation)."""
+        """[rows, cols] of op(X) in ``dtype`` and its factor: per tensor (0-dim), or per row / column
+        of op(X) along the output dims (NVFP4 row_scaled); ``rotated``: left in the payload's rotation."""
         if self.quantized:
             q, codec = self.quantizer, codec_for(self.quantizer)
             read = codec.dequantize_rotated if rotated else codec.dequantize_factored
             vals, factor = read(q, self.payload, self.direction, self.shape2d, dtype)
         else:
             vals, factor = self.tensor.reshape(-1, self.tensor.shape[-1]).to(dtype), None
-        return (vals.t() if self.transpose else vals), factor
+        if self.transpose:
+            return vals.t(), (factor.t() if factor is not None and factor.dim() == 2 else factor)
+        return vals, factor
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,12 +3,14 @@ build it: the example trainer's config files, torchtitan's converter config."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
-from dtq.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling,
-                        MXFP8BlockScaling, NVFP4BlockScaling, Recipe, hybrid_recipe)
+from dtq.recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+                        Float8RowwiseScaling, MXFP8BlockScaling, NVFP4BlockScaling, Recipe, hybrid_recipe)
+from dtq.recipes import FACTORIES
 
 PRESETS: Mapping[str, Callable[[], Recipe]] = MappingProxyType({
     "fp8": Float8CurrentScaling,  # per-tensor current scaling, E4M3 forward / E5M2 gradients
@@ -24,6 +26,8 @@ PRESETS: Mapping[str, Callable[[], Recipe]] = MappingProxyType({
     "hybrid-fp8-nvfp4": lambda: hybrid_recipe(Float8CurrentScaling(), NVFP4BlockScaling()),
     # MXFP8 forward, FP8 1x128 / 128x128 blocks backward.
     "hybrid-mxfp8-fp8block": lambda: hybrid_recipe(MXFP8BlockScaling(), Float8BlockScaling()),
+    # dtq.recipes' named factories (docs/recipes.md), e.g. "mxfp8_fwd_nvfp4_bwd"
+    **{name: functools.partial(CustomRecipe, f) for name, f in FACTORIES.items()},
 })
 
 

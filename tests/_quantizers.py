@@ -132,8 +132,8 @@ def rows_per_payload_row(q, direction: str, field: str):
     if isinstance(s, dtq.MXFP8Quantizer):
         return 1 if direction == "rowwise" else 32
     if isinstance(s, dtq.NVFP4Quantizer):
-        if field == "amax":
-            return None
+        if field == "amax":  # 0-dim; row_scaled: [M, 1] per row, [1, K] per column (shared by all rows)
+            return 1 if s.row_scaled and direction == "rowwise" else None
         return 1 if (s.block == (1, 16) and direction == "rowwise") else 16
     raise AssertionError(f"unknown field {field} of {s}")
 
@@ -180,10 +180,11 @@ def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     return torch.where((codes & 8) != 0, -mag, mag)
 
 
-def nvfp4_s_enc(amax: torch.Tensor) -> torch.Tensor:
+def nvfp4_s_enc(amax: torch.Tensor, e4m3_max: float = 448.0) -> torch.Tensor:
+    """S_enc = e4m3_max * 6 / amax (per tensor, or per row / column: amax [M, 1] / [1, K])."""
     a = amax.float()
     ok = torch.isfinite(a) & (a > 0)
-    return torch.where(ok, torch.tensor(448.0 * 6.0) / torch.where(ok, a, torch.ones_like(a)), torch.ones_like(a))
+    return torch.where(ok, torch.tensor(e4m3_max * 6.0) / torch.where(ok, a, torch.ones_like(a)), torch.ones_like(a))
 
 
 def element_scale(q, direction, payload, shape2):
@@ -198,7 +199,7 @@ def element_scale(q, direction, payload, shape2):
         e = payload["scale"].to(torch.float32) - 127
         return expand(torch.ldexp(torch.ones_like(e), e), tile_of(s, direction), shape2)
     if isinstance(s, dtq.NVFP4Quantizer):
-        return expand(payload["scale"].float(), tile_of(s, direction), shape2) / nvfp4_s_enc(payload["amax"])
+        return expand(payload["scale"].float(), tile_of(s, direction), shape2) / nvfp4_s_enc(payload["amax"], s.e4m3_max)
     raise AssertionError(s)
 
 
@@ -211,7 +212,7 @@ def ref_dequantize(q, direction, payload, shape2):
         assert not (s.random_hadamard and direction == "columnwise")
         vals = decode_e2m1(unpack_e2m1(payload["data"]))
         s_b = expand(payload["scale"].float(), tile_of(s, direction), shape2)
-        return (vals * s_b) / nvfp4_s_enc(payload["amax"])
+        return (vals * s_b) / nvfp4_s_enc(payload["amax"], s.e4m3_max)
     return payload["data"].float() * element_scale(q, direction, payload, shape2)
 
 

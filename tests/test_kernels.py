@@ -54,6 +54,10 @@ HYBRID = {
     "fp8_row/mxfp8": H(rowwise=dtq.Float8RowwiseQuantizer(), columnwise=dtq.MXFP8Quantizer()),
     "nvfp4_16x16/fp8_row_e5m2": H(rowwise=dtq.NVFP4Quantizer((16, 16)),
                                   columnwise=dtq.Float8RowwiseQuantizer(torch.float8_e5m2)),
+    # weights and inputs of dtq.recipes' factories (the options' hybrids: tests/test_nvfp4_options.py)
+    "mxfp8/nvfp4": H(rowwise=dtq.MXFP8Quantizer(), columnwise=dtq.NVFP4Quantizer()),
+    "mxfp8/identity": H(rowwise=dtq.MXFP8Quantizer(), columnwise=dtq.IdentityQuantizer()),
+    "identity/mxfp8": H(rowwise=dtq.IdentityQuantizer(), columnwise=dtq.MXFP8Quantizer()),
 }
 ALL = {**PLAIN, **HYBRID}
 DIRSETS = [(True, False), (False, True), (True, True)]

@@ -78,6 +78,13 @@ class Codec:
         return x.abs().amax().to(torch.float32) if x.numel() else torch.zeros((), device=x.device)
 
     @classmethod
+    def scales_from_block_amax(cls, q, direction: str) -> bool:
+        """Whether each block scale is a function of the block's amax (and the tensor-wide, row or
+        column amax) alone: a flat-slice master cast fills the elements it does not own with their
+        block amax and relies on this."""
+        return True
+
+    @classmethod
     def column_shardable(cls, q, direction: str) -> bool:
         """Whether a shard of the last dim (a row-parallel weight under tensor parallelism) can hold
         this direction as the slice of the whole tensor's payload."""
@@ -102,8 +109,10 @@ class Codec:
     @classmethod
     def dequantize_factored(cls, q, payload: Payload, direction: str, shape: tuple[int, int],
                             dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(values, factor)`` with ``values * factor ~= dequantize(...)``: the per-tensor factor is
-        split off so an emulated GEMM applies it after the product, as native scaled GEMMs do.
+        """``(values, factor)`` with ``values * factor ~= dequantize(...)``: the per-tensor factor
+        (0-dim; or [M, 1] / [1, K] per row / column, constant along the direction's blocks, so along
+        the GEMM's output dims) is split off so an emulated GEMM applies it after the product, as
+        native scaled GEMMs do.
         ``values`` come in ``dtype`` (a kernel writes them directly where it can); GEMMs only read
         them, and a passthrough format may hand out its stored tensor."""
         out = cls.kernel_dequantize(q, payload, direction, shape, dtype=dtype)
@@ -395,7 +404,8 @@ class QuantizePlan:
     compute, and the prepared CUDA kernel launch (:class:`dtq.kernels.QuantizeLaunch`) where one
     applies. Every call then does only the work (the hot path of every GEMM)."""
 
-    __slots__ = ("q", "subs", "twins", "own", "uses_rng", "amax_spaces", "needs_amax", "launch", "reference")
+    __slots__ = ("q", "subs", "twins", "own", "uses_rng", "amax_spaces", "needs_amax", "launch", "reference",
+                 "torch_amax")
 
     def __init__(self, q: Quantizer, directions: tuple[str, ...], shape: tuple[int, int], dtype: torch.dtype,
                  device: torch.device):
@@ -409,7 +419,7 @@ class QuantizePlan:
         self.uses_rng = any(c.uses_rng(self.subs[d], d) for d, c in codecs.items())
         self.needs_amax = {d: c.needs_amax(self.subs[d], d) for d, c in codecs.items()}
         self.amax_spaces = frozenset(codecs[d].amax_space(self.subs[d], d) for d in self.own if self.needs_amax[d])
-        self.launch, self.reference = None, self.own
+        self.launch, self.reference, self.torch_amax = None, self.own, ()
         if device.type == "cuda" and shape[0] * shape[1] > 0:
             from dtq import kernels
 
@@ -420,12 +430,22 @@ class QuantizePlan:
                     tensor_amax = tuple(d for d in specs if self.needs_amax[d] and not specs[d].amax_vector)
                     self.launch = kernels.QuantizeLaunch(specs, tensor_amax)
                     self.reference = tuple(d for d in self.own if d not in specs)
+                    # per-column amaxes of T x: no kernel pass computes them; the reference's ops do
+                    self.torch_amax = tuple(d for d, s in specs.items() if s.amax_vector and s.amax_space == "hadamard")
 
     def __call__(self, xc: torch.Tensor, given: dict[str, torch.Tensor], seed) -> dict[str, Payload]:
         """Payloads of the contiguous [M, K] ``xc``; ``given``: amaxes of own directions (checked
         shapes, fp32 on xc's device), ``seed``: a tensor when ``uses_rng``."""
-        out = self.launch(xc, given, seed) if self.launch is not None else {}
-        for d in self.reference:
+        out, reference = {}, self.reference
+        if self.launch is not None:
+            for d in self.torch_amax:
+                if d not in given:
+                    given = {**given, d: codec_for(self.subs[d]).local_amax(self.subs[d], xc, d)}
+            out = self.launch(xc, given, seed)
+            if out is None:  # the generic kernel lacks an option of this quantizer: nothing launched
+                _warn_reference(self.q)
+                out, reference = {}, self.own
+        for d in reference:
             sub = self.subs[d]
             codec = codec_for(sub)
             a = None
@@ -435,6 +455,14 @@ class QuantizePlan:
         if self.twins:
             return {d: dict(out[self.twins[d]]) if d in self.twins else out[d] for d in self.subs}
         return out if len(out) == 1 or self.own == tuple(out) else {d: out[d] for d in self.own}
+
+
+def _warn_reference(q: Quantizer) -> None:
+    from dtq.tensor import warn_once
+
+    warn_once(f"generic-kernel {q!r}", f"{q!r}: the generic quantize kernel (this slot pair has no specialised "
+              "kernel, or the input is not 16-byte aligned) lacks an option of this quantizer; the PyTorch "
+              "reference runs instead (same bits, slower)")
 
 
 _plans: dict = {}

@@ -68,7 +68,7 @@ class Float8RowwiseCodec(Codec):
 
     @classmethod
     def local_amax(cls, q: Float8RowwiseQuantizer, x: torch.Tensor, direction: str) -> torch.Tensor:
-        return _axis_amax(x, _reduced_dim(direction))
+        return _bits.axis_amax(x, _reduced_dim(direction))
 
     @classmethod
     def column_shardable(cls, q: Float8RowwiseQuantizer, direction: str) -> bool:
@@ -78,7 +78,7 @@ class Float8RowwiseCodec(Codec):
     def quantize(cls, q: Float8RowwiseQuantizer, x: torch.Tensor, direction: str, amax: torch.Tensor | None,
                  seed: torch.Tensor | None) -> Payload:
         if amax is None:
-            amax = _axis_amax(x, _reduced_dim(direction))
+            amax = _bits.axis_amax(x, _reduced_dim(direction))
         scale = _bits.per_tensor_scale(amax, _bits.FP8_MAX[q.dtype], q.pow2_scales)
         return {"data": _bits.cast_fp8(x.float() * scale, q.dtype), "scale_inv": torch.reciprocal(scale)}
 
@@ -126,11 +126,3 @@ class Float8RowwiseCodec(Codec):
 def _scale_shape(shape: tuple[int, int], direction: str) -> tuple[int, int]:
     return (1, shape[1]) if direction == COLUMNWISE else (shape[0], 1)
 
-
-def _axis_amax(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """max|x| along ``dim`` (kept as a size-1 dim), NaN canonical; 0 over an empty dim."""
-    if x.shape[dim] == 0:
-        shape = list(x.shape)
-        shape[dim] = 1
-        return torch.zeros(shape, dtype=torch.float32, device=x.device)
-    return _bits.canonical_nan(x.abs().amax(dim=dim, keepdim=True).to(torch.float32))

@@ -30,6 +30,8 @@ import torch
 # (block (1, 0)) or whole column ((0, 1)), from an amax vector computed before the launch.
 NONE, FP8_SCALED, MXFP8, NVFP4, IDENTITY, FP8_ROW = 0, 1, 2, 3, 4, 5
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+E4M3_MAX_CODE = 0x7E  # the E4M3 byte of 448
+_CONFIG_LEN = 14  # ints per slot config (csrc/quantize.cu make_cfg)
 INPUT_DTYPES = tuple(_DTYPE_CODE)
 
 # The repository's csrc/ (a checkout or an editable install), else the copy a wheel carries.
@@ -55,7 +57,11 @@ class KernelSpec:
     spans that whole dim (FP8_ROW: ``(1, 0)`` one scale per row, ``(0, 1)`` one per column).
     ``hadamard_signs``: for NVFP4 columnwise with the random Hadamard, bit j set iff sign j is -1.
     ``amax_vector``: ``"rows"`` / ``"cols"`` where the kernel reads one amax per row ([M]) / per
-    column ([K]) that the caller computes (``axis_amax``) or was given.
+    column ([K]) that the caller computes (``axis_amax``, or the codec's ``local_amax`` in the
+    Hadamard space) or was given.
+    NVFP4 options: ``row_scaled`` (S_enc per row / column from that vector, which the kernel also
+    stores as the ``amax`` field), ``four_over_six`` (0 off, 1 "mae", 2 "mse"), ``e4m3_max`` (the
+    E4M3 byte of the bound in S_enc; 0x7E is 448).
     """
 
     kind: int
@@ -69,12 +75,15 @@ class KernelSpec:
     hadamard_signs: int | None = None
     out_dtype: torch.dtype | None = None
     amax_vector: str | None = None
+    row_scaled: bool = False
+    four_over_six: int = 0
+    e4m3_max: int = E4M3_MAX_CODE
 
     @functools.cached_property
     def _config(self) -> tuple[int, ...]:  # asked at every launch: computed once per spec
         return (self.kind, self.block[0], self.block[1], int(self.e5m2), int(self.pow2), int(self.floor),
                 int(self.stochastic), self.stream, int(self.hadamard_signs is not None), self.hadamard_signs or 0,
-                _DTYPE_CODE.get(self.out_dtype, 0))
+                _DTYPE_CODE.get(self.out_dtype, 0), int(self.row_scaled), self.four_over_six, self.e4m3_max)
 
     def config(self) -> list[int]:
         return list(self._config)
@@ -238,7 +247,7 @@ def axis_amax(x: torch.Tensor, rows: bool, cols: bool) -> tuple[torch.Tensor | N
 _FIELD_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.uint8: 3, torch.float8_e4m3fn: 4,
                  torch.float8_e5m2: 5, torch.int32: 6}
 AMAX_GIVEN, AMAX_X, AMAX_HADAMARD, AMAX_ROWS, AMAX_COLS = 0, 1, 2, 3, 4
-_NO_SLOT = [NONE] + [0] * 10
+_NO_SLOT = [NONE] + [0] * (_CONFIG_LEN - 1)
 
 
 class QuantizeLaunch:
@@ -246,7 +255,8 @@ class QuantizeLaunch:
     dtype): each call is one crossing into the extension (``quantize_alloc``), which runs the amax
     pass a direction needs (unless its amax is given), allocates the payloads and launches the
     kernel. ``specs``: up to two directions' KernelSpecs; ``tensor_amax``: the directions whose
-    kernel reads a tensor-wide amax (computed over x or over T x as the spec says)."""
+    kernel reads a tensor-wide amax (computed over x or over T x as the spec says). Per-column
+    amaxes of T x (row-scaled NVFP4 with the Hadamard) have no pass here: the caller gives them."""
 
     __slots__ = ("dirs", "names", "count", "cfgs", "fields", "modes", "vectors", "signs", "stochastic")
 
@@ -262,7 +272,9 @@ class QuantizeLaunch:
         self.vectors = {d: s.amax_vector for d, s in specs.items() if s.amax_vector}
         modes = []
         for d, s in specs.items():
-            if s.amax_vector:
+            if s.amax_vector and s.amax_space == "hadamard":
+                modes.append(AMAX_GIVEN)
+            elif s.amax_vector:
                 modes.append(AMAX_ROWS if s.amax_vector == "rows" else AMAX_COLS)
             elif d in tensor_amax:
                 modes.append(AMAX_HADAMARD if s.amax_space == "hadamard" else AMAX_X)
@@ -275,9 +287,11 @@ class QuantizeLaunch:
         self.signs = next(iter(signs)) if signs else -1
         self.stochastic = any(s.stochastic for s in specs.values())
 
-    def __call__(self, x: torch.Tensor, given: dict[str, torch.Tensor], seed: torch.Tensor | None) -> dict:
+    def __call__(self, x: torch.Tensor, given: dict[str, torch.Tensor], seed: torch.Tensor | None) -> dict | None:
         """``{direction: payload}`` of the contiguous [M, K] CUDA tensor ``x``; ``given``: amaxes
-        known already (their pass is skipped), ``seed``: an int64 tensor under stochastic rounding."""
+        known already (their pass is skipped), ``seed``: an int64 tensor under stochastic rounding.
+        None (nothing launched) where only the generic kernel would apply and it lacks an option
+        (NVFP4 ``four_over_six`` with 16x16 blocks): the caller runs the reference."""
         amaxes, modes = [None, None], list(self.modes)
         for i, d in enumerate(self.dirs):
             a = given.get(d)
@@ -291,6 +305,8 @@ class QuantizeLaunch:
             seed = seed.to(device=x.device, dtype=torch.int64).reshape(())
         outs = quantize_alloc(x, self.cfgs[0], self.fields[0], amaxes[0], modes[0], self.cfgs[1], self.fields[1],
                               amaxes[1], modes[1], self.signs, seed)
+        if not outs:
+            return None
         n = self.count
         out = {self.dirs[0]: dict(zip(self.names[0], outs[:n]))}
         if len(self.dirs) > 1:
@@ -318,10 +334,10 @@ def dequantize(spec: KernelSpec, payload: dict[str, torch.Tensor], shape: tuple[
     names = [n for n, _, _ in spec.fields]
     per_tensor = spec.kind == NVFP4 or spec.block == (0, 0)
     scale = None if spec.block == (0, 0) else payload[names[1]]
-    tensor = payload[names[-1]].to(device=data.device, dtype=torch.float32) if per_tensor else None
+    tensor = payload[names[-1]].to(device=data.device, dtype=torch.float32).contiguous() if per_tensor else None
     out = torch.empty(shape, dtype=dtype, device=data.device)
     cfg = [spec.kind, spec.block[0], spec.block[1], int(spec.e5m2), int(spec.hadamard_signs is not None),
-           spec.hadamard_signs or 0, int(factored)]
+           spec.hadamard_signs or 0, int(factored), int(spec.row_scaled), spec.e4m3_max]
     extension().dequantize(data.contiguous().view(torch.uint8),
                            None if scale is None else scale.contiguous(), tensor, cfg, out)
     return out

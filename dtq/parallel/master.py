@@ -154,6 +154,10 @@ def _plan_flat(qt: QuantizedTensor, sl: FlatSlice, dirs, stats: list):
             raise ValueError(f"quantize_master_weights: {sub!r} transforms its {d} direction across rows; a flat "
                              "slice cannot be cast piecewise. Use dim-0 shards for this parameter")
         tile = codec.tile(sub, d, (m, k))
+        if tile is not None and not codec.scales_from_block_amax(sub, d):
+            raise ValueError(f"quantize_master_weights: {sub!r} chooses each {d} block scale from all the block's "
+                             "values, which a flat slice cutting through blocks does not hold. Use dim-0 shards "
+                             "(whole blocks) for this parameter")
         entry = {}
         if tile is not None:
             entry["blocks"] = (len(stats), tile)
