@@ -1,10 +1,11 @@
 """A tiny model trained through Hugging Face Accelerate with dtq.
 
-    python examples/accelerate_train.py                                   # one process
-    accelerate launch --cpu --num_processes 2 examples/accelerate_train.py  # 2 CPU processes (DDP)
-    accelerate launch --use_fsdp --fsdp_version 2 --num_processes 2 examples/accelerate_train.py  # GPUs
+    python examples/accelerate_train.py                                          # one process
+    torchrun --standalone --nproc-per-node 2 examples/accelerate_train.py        # 2 CPU processes (DDP)
+    accelerate launch --use_fsdp --fsdp_version 2 --num_processes 2 examples/accelerate_train.py  # 2 GPUs
 
-Accelerate shards with FSDP2 on GPUs only; on CPU its multi-process mode is DDP.
+Accelerate shards with FSDP2 on GPUs only; on CPU its multi-process mode is DDP (Accelerator finds
+torchrun's environment). The FSDP2 line has not been tested with dtq yet.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.tanh(x.flip(-1))), batch_size=64,
                                          shuffle=True)
     model, optimizer, loader = dtq_accelerate.prepare(accelerator, model, optimizer, loader)
+    accelerator.print(f"{accelerator.num_processes} process(es), {accelerator.distributed_type}")
     step = 0
     while step < args.steps:
         for xb, yb in loader:
