@@ -10,8 +10,8 @@ from dtq.recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8
                         hybrid_recipe)
 from dtq.autocast import autocast
 from dtq import nn
-from dtq.convert import convert
-from dtq import checkpoint, optim, parallel, recipes, testing
+from dtq.convert import ConvertReport, convert
+from dtq import checkpoint, optim, parallel, recipes, presets, shapes, testing
 
 __version__ = "0.1.0"
 
@@ -22,5 +22,6 @@ __all__ = [
     "Quantizer", "Float8Quantizer", "Float8BlockQuantizer", "Float8RowwiseQuantizer", "MXFP8Quantizer", "NVFP4Quantizer",
     "IdentityQuantizer", "HybridQuantizer", "QuantizedTensor", "ROWWISE", "COLUMNWISE", "DIRECTIONS",
     "QuantizerRole", "Recipe", "CustomRecipe", "Float8CurrentScaling", "DelayedScaling", "Float8BlockScaling", "Float8RowwiseScaling",
-    "MXFP8BlockScaling", "NVFP4BlockScaling", "HybridRecipe", "hybrid_recipe", "autocast", "nn", "convert", "parallel", "recipes", "testing", "optim", "checkpoint",
+    "MXFP8BlockScaling", "NVFP4BlockScaling", "HybridRecipe", "hybrid_recipe", "autocast", "nn", "convert", "ConvertReport",
+    "parallel", "recipes", "presets", "shapes", "testing", "optim", "checkpoint",
 ]

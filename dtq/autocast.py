@@ -67,6 +67,18 @@ def active_recipe() -> Recipe | None:
     return stack[-1][0] if stack else None
 
 
+def autocast_active() -> bool:
+    """Whether any ``dtq.autocast`` region (enabled or not) is open on this thread."""
+    return bool(_stack())
+
+
+def recipe_or(default: Recipe | None) -> Recipe | None:
+    """The innermost ``dtq.autocast``'s recipe (None inside ``autocast(enabled=False)``), or
+    ``default`` where no autocast is active (a recipe bound by ``dtq.convert(model, recipe=...)``)."""
+    stack = _stack()
+    return stack[-1][0] if stack else default
+
+
 def active_amax_sync() -> AmaxSync | None:
     """The :class:`dtq.parallel.amax.AmaxSync` of the innermost ``autocast(amax_group=...)``, or None."""
     stack = _stack()

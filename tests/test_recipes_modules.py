@@ -400,10 +400,11 @@ def test_high_precision_override_layernorm_modules_bitwise(activation, normaliza
 def test_quantized_weight_gets_gradient_outside_autocast():
     m = dtq.convert(torch.nn.Linear(K, N), recipe=dtq.MXFP8BlockScaling(), quantized_params=True)
     x = torch.randn(8, K)
-    m(x).sum().backward()
-    w_hp = m.weight.dequantize()
-    assert m.weight.grad is not None and torch.equal(m.weight.grad, torch.ones(8, N).t().mm(x))
-    assert torch.equal(m(x), torch.nn.functional.linear(x, w_hp, m.bias))
+    with dtq.autocast(enabled=False):  # overrides the recipe convert bound
+        m(x).sum().backward()
+        w_hp = m.weight.dequantize()
+        assert m.weight.grad is not None and torch.equal(m.weight.grad, torch.ones(8, N).t().mm(x))
+        assert torch.equal(m(x), torch.nn.functional.linear(x, w_hp, m.bias))
 
 
 def test_inference_builds_no_columnwise_and_takes_any_token_count(monkeypatch):
@@ -502,7 +503,7 @@ def test_dequantized_override_bitwise_grouped_3d_bf16(dtype, monkeypatch):
         assert torch.equal(grads[f"weight{i}"], xd.t().mm(gi).t().to(dtype))
 
 
-def test_convert_duplicates_ties_hooks_and_recipe_misuse():
+def test_convert_duplicates_ties_hooks_and_recipe_binding():
     shared = torch.nn.Linear(K, K)
     model = torch.nn.Module()
     model.a, model.b = shared, shared
@@ -518,8 +519,8 @@ def test_convert_duplicates_ties_hooks_and_recipe_misuse():
     tied.y.weight = tied.x.weight
     dtq.convert(tied, recipe=dtq.MXFP8BlockScaling(), quantized_params=True)
     assert tied.x.weight is tied.y.weight and isinstance(tied.x.weight, dtq.QuantizedTensor)
-    with pytest.raises(ValueError, match="keeps none, so without quantized_params choose it at run time with dtq.autocast"):
-        dtq.convert(torch.nn.Linear(K, N), recipe=dtq.MXFP8BlockScaling())
+    bound = dtq.convert(torch.nn.Linear(K, N), recipe=dtq.MXFP8BlockScaling())  # a recipe without state: bound
+    assert bound.gemm_state.default_recipe == dtq.MXFP8BlockScaling()
 
 
 def test_meta_init_then_reset_parameters():

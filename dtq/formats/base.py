@@ -530,8 +530,10 @@ def _given_amax(q: Quantizer, sub: Quantizer, direction: str, a: torch.Tensor, s
 
 
 def shape_error(q: Quantizer, shape: tuple[int, int], direction: str, requirement: str) -> ValueError:
-    return ValueError(
+    e = ValueError(
         f"{type(q).__name__} ({direction}) cannot quantize a tensor viewed as [M, K] = {list(shape)}: "
         f"{requirement}. Pad the tensor, choose a shape that meets this, or use another format for "
         f"this tensor (e.g. Float8BlockQuantizer allows partial blocks)."
     )
+    e.requirement = f"{q.format_name} {direction}: {requirement}"  # the short form (dtq.shapes reports)
+    return e

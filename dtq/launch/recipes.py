@@ -8,31 +8,15 @@ name a recipe object directly).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 from typing import Callable
 
 import dtq
+from dtq.presets import PRESETS
 
-RECIPES: dict[str, Callable[[], dtq.Recipe | None]] = {
-    # No quantization: parameters and GEMMs in train.dtype (the BF16 baseline when dtype = "bfloat16").
-    "bf16": lambda: None,
-    "fp8": dtq.Float8CurrentScaling,  # per-tensor current scaling, E4M3 forward / E5M2 gradients
-    "fp8-delayed": dtq.DelayedScaling,  # per-tensor scales from each module's amax history
-    "fp8-block": dtq.Float8BlockScaling,  # 1x128 activations and gradients, 128x128 weights
-    "fp8-row": dtq.Float8RowwiseScaling,  # one E4M3 scale per row of each GEMM's contraction
-    "mxfp8": dtq.MXFP8BlockScaling,
-    "nvfp4": dtq.NVFP4BlockScaling,
-    # MXFP8 for the forward GEMM, NVFP4 (16x16 weights, stochastic rounding on gradients, random
-    # Hadamard on the wgrad operands) for the backward GEMMs.
-    "hybrid": lambda: dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling()),
-    # Per-tensor FP8 forward, NVFP4 backward.
-    "hybrid-fp8-nvfp4": lambda: dtq.hybrid_recipe(dtq.Float8CurrentScaling(), dtq.NVFP4BlockScaling()),
-    # MXFP8 forward, FP8 1x128 / 128x128 blocks backward.
-    "hybrid-mxfp8-fp8block": lambda: dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.Float8BlockScaling()),
-    # dtq.recipes' named factories (docs/recipes.md), e.g. "mxfp8_fwd_nvfp4_bwd"
-    **{name: functools.partial(dtq.CustomRecipe, f) for name, f in dtq.recipes.FACTORIES.items()},
-}
+# The library's presets (dtq.presets), plus the high-precision baseline: parameters and GEMMs in
+# train.dtype (the BF16 baseline when dtype = "bfloat16").
+RECIPES: dict[str, Callable[[], dtq.Recipe | None]] = {"bf16": lambda: None, **PRESETS}
 
 
 def _unknown(name: str) -> ValueError:

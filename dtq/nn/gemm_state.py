@@ -17,9 +17,10 @@ import torch
 from torch._library.opaque_object import register_opaque_type
 from torch._opaque_base import OpaqueBase
 
-from dtq.autocast import active_amax_sync
+from dtq.autocast import active_amax_sync, active_recipe, autocast_active, recipe_or
+from dtq.formats import IdentityQuantizer
 from dtq.parallel._torch_private import checkpoint_region, inside_checkpoint_forward
-from dtq.tensor import warn_once
+from dtq.tensor import QuantizedTensor, warn_once
 
 if TYPE_CHECKING:
     from dtq.nn._linear_fn import Slot
@@ -44,6 +45,21 @@ class GemmState:
     # gathered weight's payloads (other directions than forward's): a compiled graph holds the
     # forward's payload tensors, so its backward reads the module's live parameter instead.
     fsdp_gathered: bool = False
+    # The recipe bound by dtq.convert(model, recipe=...): forwards outside any dtq.autocast run
+    # under it (an active autocast, also autocast(enabled=False), overrides it).
+    default_recipe: Recipe | None = None
+
+    def resolve(self, replay: bool = False, *, weight: torch.Tensor | None = None, name: str = "") -> Recipe | None:
+        """The recipe a forward runs under now: the innermost ``dtq.autocast``'s, else the bound
+        default. A recompute (``replay``) outside autocast takes the recipe its forward recorded.
+        Given the GEMM's ``weight``, a forward that resolves no recipe without the user having
+        chosen that (no autocast active) is said once: it silently computes in high precision."""
+        if replay:
+            return active_recipe() or self.recipe
+        recipe = recipe_or(self.default_recipe)
+        if recipe is None and weight is not None and not autocast_active() and not torch.compiler.is_compiling():
+            _warn_without_recipe(name, weight)
+        return recipe
 
     def begin(self, recipe: Recipe | None, replay: bool, no_grad_trainable: bool) -> AmaxSync | None:
         """Record a forward call under ``recipe`` (a recompute records nothing: it replays the
@@ -72,7 +88,8 @@ class GemmState:
         return {**self.__dict__, "amax_sync": None}
 
     def __deepcopy__(self, memo) -> "GemmState":
-        return GemmState(self.recipe, None, self.recompute, self.awaiting_recompute, self.fsdp_gathered)
+        return GemmState(self.recipe, None, self.recompute, self.awaiting_recompute, self.fsdp_gathered,
+                         self.default_recipe)
 
 
 @dataclasses.dataclass(eq=False)
@@ -181,6 +198,20 @@ class GemmCall(NamedTuple):
     @property
     def override(self) -> str | None:
         return self.slots.recipe.backward_override
+
+
+def _warn_without_recipe(name: str, weight: torch.Tensor) -> None:
+    local = getattr(weight, "_local_tensor", weight)  # a tensor-parallel DTensor's shard
+    fix = ("wrap the forward in `with dtq.autocast(recipe):` or bind a recipe with dtq.convert(model, "
+           "recipe=recipe); inside dtq.autocast(enabled=False) high precision is chosen and not reported")
+    if isinstance(local, QuantizedTensor) and not isinstance(local.quantizer, IdentityQuantizer):
+        warn_once("quantized-params-without-recipe",
+                  f"dtq: {name} holds quantized parameters ({local.quantizer.format_name}) but runs outside any "
+                  f"recipe: it dequantizes them and computes in high precision; {fix}")
+    elif torch.is_grad_enabled() and weight.requires_grad:
+        warn_once("training-without-recipe",
+                  f"dtq: {name} runs a training forward outside dtq.autocast and has no recipe bound by "
+                  f"dtq.convert: dtq modules then train in high precision, nothing is quantized; {fix}")
 
 
 def _multi_rank() -> bool:

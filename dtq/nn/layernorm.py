@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dtq.autocast import active_recipe
 from dtq.nn.functional import AmaxLink, swiglu
 from dtq.nn.module import QuantizedModule, init_bias, init_weight
 from dtq.parallel import tp
@@ -95,7 +94,7 @@ class LayerNormMLP(QuantizedModule):
         if self.activation == "swiglu":
             # the fused kernels hand max|h| to fc2 and max|d(fc1 out)| to fc1's backward (asked for
             # under a current-scaling recipe only: other scalings never read them)
-            recipe = active_recipe()
+            recipe = self.gemm_state.resolve()
             link = AmaxLink() if recipe is not None and not recipe.delayed and not torch.compiler.is_compiling() else None
             h = self._linear(self.norm(x), self.fc1_weight, self.fc1_bias, gemm=0, link=link)
             h = swiglu(h, self.swiglu_interleave, link=link)

@@ -199,8 +199,8 @@ class QuantizedModule(torch.nn.Module):
         grad = torch.is_grad_enabled()
         no_grad_trainable = not grad and weight.requires_grad
         if torch.compiler.is_compiling():
-            recipe, recompute_only = active_recipe(), False
-            if recipe is None and state.awaiting_recompute:
+            recipe, recompute_only = state.resolve(), False  # autocast's, else the one dtq.convert bound
+            if active_recipe() is None and state.awaiting_recompute:
                 # A recompute runs outside dtq.autocast (dynamo cannot see that backward runs it;
                 # the op checks at run time that it is one).
                 recipe, recompute_only = state.recipe, True
@@ -225,9 +225,8 @@ class QuantizedModule(torch.nn.Module):
         group = self._dtq_tp_mesh.get_group() if spec is not None else None
         state = self.gemm_state
         replay = in_backward()  # a forward run by backward is a recompute (torch.utils.checkpoint)
-        recipe = active_recipe()
-        if replay and recipe is None:
-            recipe = state.recipe  # recompute under the forward's recipe
+        # autocast's recipe, else the one dtq.convert bound; a recompute runs under its forward's
+        recipe = state.resolve(replay, weight=weight, name=f"{type(self).__name__} {self.name!r}")
         sync = state.begin(recipe, replay, not torch.is_grad_enabled() and weight.requires_grad)
         row_bias = None
         if spec is not None:

@@ -63,10 +63,19 @@ def gather_context(local_tensor: torch.Tensor) -> GatherContext:
         local_tensor._dtq_fsdp_refs = (weakref.ref(group), weakref.ref(fsdp_param))
     leaf = fsdp_param._module_info.param_name
     prefix = group._module_fqn or ""
+    # FSDPParam._param_fqn: the name from the root (set at FSDP2's lazy init); the group's module
+    # name + leaf misses the owning submodule's path (a root group's lm_head.weight: "weight").
+    fqn = getattr(fsdp_param, "_param_fqn", None) or _owner_fqn(fsdp_param, leaf) or f"{prefix}.{leaf}".lstrip(".")
     return GatherContext(training_state=group._training_state.name,
                          reshard_after_forward=bool(group._reshard_after_forward),
-                         param_name=f"{prefix}.{leaf}".lstrip("."), leaf_name=leaf, fsdp_param=fsdp_param,
+                         param_name=fqn, leaf_name=leaf, fsdp_param=fsdp_param,
                          module_name=prefix, post_forward_mesh=bool(group._use_post_forward_mesh))
+
+
+def _owner_fqn(fsdp_param, leaf: str) -> str:
+    """Before FSDP2's lazy init: the owning dtq module's own name (dtq.convert sets it to the FQN)."""
+    name = getattr(fsdp_param._module_info.module, "name", "")
+    return f"{name}.{leaf}" if isinstance(name, str) and name else ""
 
 
 def resize_gather_buffers(ctx: GatherContext, inputs: list[torch.Tensor], world_size: int) -> None:

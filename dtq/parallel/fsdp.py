@@ -50,11 +50,12 @@ class _GatherMeta:
 
 
 def _gather_recipe(ctx: GatherContext, module):
-    """The recipe a gather serves: the active one in forward (FSDP2 gathers inside the module
-    call, so inside the user's dtq.autocast; None there means high precision); in backward, which
-    runs outside autocast and possibly on autograd's own thread, the one the module last ran."""
+    """The recipe a gather serves: in forward the one the module's forward resolves (FSDP2 gathers
+    inside the module call, so inside the user's dtq.autocast, else under the recipe dtq.convert
+    bound; None means high precision); in backward, which runs outside autocast and possibly on
+    autograd's own thread, the one the module last ran."""
     if ctx.training_state == "FORWARD":
-        return active_recipe()
+        return module.gemm_state.resolve(in_backward())  # as the module's forward resolves it
     return active_recipe() or module.gemm_state.recipe
 
 
@@ -107,7 +108,8 @@ def _check_alignment(ctx: GatherContext, quantizer: Quantizer, dirs, full_shape,
                 f"dtq: cannot all-gather {ctx.param_name} (shape {list(full_shape)}) as {quantizer.for_direction(d).format_name} "
                 f"{d} payloads over {world} FSDP ranks: each shard has {shard_rows} rows but {d} blocks span {need} "
                 f"rows, so a block would be split across ranks. Use a shard count that makes dim 0 / world size a "
-                f"multiple of {need}, or a format with smaller {d} blocks for this parameter")
+                f"multiple of {need}, a format with smaller {d} blocks for this parameter, or keep its layer out of "
+                f"dtq.convert (dtq.convert(model, recipe=..., fsdp_world={world}) skips and reports such layers)")
 
 
 def _split(quantizer: Quantizer, payloads: dict, dirs) -> tuple[list[torch.Tensor], tuple, dict]:
@@ -434,10 +436,11 @@ def precompute_amax(model: torch.nn.Module, recipe=None) -> None:
 
     check_launched_world()
     groups: dict = {}
-    for module in model.modules():
+    for fqn, module in model.named_modules():
         if not isinstance(module, QuantizedModule):
             continue
-        rec = recipe or active_recipe() or module.gemm_state.recipe
+        state = module.gemm_state
+        rec = recipe or active_recipe() or state.recipe or state.default_recipe
         if rec is None:
             continue
         for leaf in module.weight_names():
@@ -453,7 +456,14 @@ def precompute_amax(model: torch.nn.Module, recipe=None) -> None:
             # fully_shard on (FSDPParam.param_dtype is set only at the first forward).
             policy = getattr(ctx.fsdp_param, "mp_policy", None)
             dtype = getattr(policy, "param_dtype", None) or getattr(ctx.fsdp_param, "param_dtype", None) or local.dtype
-            amax = q.local_amax(local._data.to(dtype))
+            try:
+                amax = q.local_amax(local._data.to(dtype))
+            except ValueError as e:
+                name = f"{fqn}.{leaf}".lstrip(".")
+                raise ValueError(f"dtq.parallel.precompute_amax: cannot take the amax of {name} (this rank's FSDP2 "
+                                 f"shard {list(local.shape)} of {list(p.shape)}) for {q.format_name}: {e} Keep the "
+                                 f"layer out of dtq.convert (dtq.convert(model, recipe=..., fsdp_world=...) skips and "
+                                 f"reports layers a recipe cannot shard)") from e
             if amax:
                 pg = ctx.fsdp_param.shard_mesh_from_root.get_group()
                 groups.setdefault(pg, []).append((local, q, dtype, amax))

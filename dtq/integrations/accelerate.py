@@ -1,0 +1,65 @@
+"""dtq with Hugging Face Accelerate: ``convert`` before the optimizer, ``prepare`` after it.
+
+Accelerate's own FP8 (``mixed_precision="fp8"``: TransformerEngine, torchao, MS-AMP recipes) swaps
+or wraps the same Linear layers dtq converts; the two do not stack, so :func:`convert` refuses
+it. dtq needs no autocast hook in Accelerate: ``dtq.convert`` binds the recipe to the model.
+
+    accelerator = Accelerator()
+    model = dtq.integrations.accelerate.convert(accelerator, model, "mxfp8")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)   # after converting
+    model, optimizer, loader = dtq.integrations.accelerate.prepare(accelerator, model, optimizer, loader)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+import dtq
+from dtq.integrations._common import check_master_weights, has_dtq_modules, precompute_after_steps
+from dtq.presets import as_recipe
+from dtq.recipe import Recipe
+
+
+def _fsdp_world(accelerator: Accelerator) -> int:
+    """The ranks Accelerate's FSDP shards each weight over (1 without FSDP: DDP keeps whole weights)."""
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return 1
+    config = getattr(accelerator, "parallelism_config", None)  # FSDP over its dp_shard dim (HSDP, TP beside it)
+    return config.dp_shard_size if config is not None and config.dp_shard_size > 1 else accelerator.num_processes
+
+
+def convert(accelerator: Accelerator, model: torch.nn.Module, recipe: Recipe | str, **convert_kwargs: Any) -> \
+        torch.nn.Module:
+    """``dtq.convert(model, recipe=recipe, ...)`` with the shape check sized to the FSDP sharding
+    ``accelerator.prepare`` will apply; build the optimizer on the returned model's parameters."""
+    if accelerator.mixed_precision == "fp8":
+        raise ValueError("dtq.integrations.accelerate.convert: Accelerator(mixed_precision='fp8') converts the same "
+                         "Linear layers with TransformerEngine / torchao / MS-AMP; dtq quantizes them itself, so "
+                         "use mixed_precision='no' or 'bf16' with dtq")
+    convert_kwargs.setdefault("fsdp_world", _fsdp_world(accelerator))
+    return dtq.convert(model, recipe=as_recipe(recipe), **convert_kwargs)
+
+
+def prepare(accelerator: Accelerator, *objects: Any, **prepare_kwargs: Any) -> Any:
+    """``accelerator.prepare(*objects)``, then: each prepared optimizer ends its steps with
+    ``dtq.parallel.precompute_amax`` over the prepared dtq models (their FSDP2 gathers find the
+    weight amaxes reduced in one all-reduce). Quantized parameters must be stepped by a
+    ``dtq.optim.MasterWeightOptimizer``."""
+    models = [o for o in objects if isinstance(o, torch.nn.Module) and has_dtq_modules(o)]
+    optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+    for model in models:
+        check_master_weights("dtq.integrations.accelerate.prepare", model, optimizers)
+    prepared = accelerator.prepare(*objects, **prepare_kwargs)
+    out = prepared if isinstance(prepared, tuple) else (prepared,)
+    models = [p for p in out if isinstance(p, torch.nn.Module) and has_dtq_modules(p)]
+    for opt in out:
+        if isinstance(opt, torch.optim.Optimizer) and models:
+            precompute_after_steps(getattr(opt, "optimizer", opt), models)  # an AcceleratedOptimizer's inner one
+    return prepared
+
+
+__all__ = ["convert", "prepare"]

@@ -1,0 +1,78 @@
+"""dtq.integrations.accelerate, on CPU (2 gloo ranks, and one process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dtq
+from dtq.testing import spawn
+
+H = 64
+
+
+def _data(n=32, out=H):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, H, generator=g), torch.randn(n, out, generator=g)
+
+
+# Accelerate 1.15 shards with FSDP2 only on accelerators (AcceleratorState sets DistributedType.FSDP
+# for GPU-like backends): on CPU its multi-process mode is DDP, which these tests train under.
+
+
+def _check_accelerate(rank, world):
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    from dtq.integrations import accelerate as dtq_accelerate
+
+    accelerator = Accelerator(cpu=True)  # finds the process group dtq.testing.spawn started
+    assert accelerator.num_processes == world and accelerator.distributed_type == DistributedType.MULTI_CPU
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(H, 2 * H), torch.nn.ReLU(), torch.nn.Linear(2 * H, 100))
+    model = dtq_accelerate.convert(accelerator, model, "mxfp8")
+    assert isinstance(model[0], dtq.nn.Linear) and type(model[2]) is torch.nn.Linear  # 100 rows: no MX blocks
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = dtq_accelerate.prepare(accelerator, model, optimizer)
+    x, y = _data(n=64, out=100)
+    x, y = x[rank::world], y[rank::world]  # each rank its own half of the batch (32 rows: whole MX blocks)
+    losses = []
+    for _ in range(3):  # no dtq.autocast: convert bound the recipe
+        loss = F.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    inner = accelerator.unwrap_model(model)
+    assert inner[0].gemm_state.recipe == dtq.MXFP8BlockScaling() and losses[2] < losses[0], losses
+    # DDP averaged the gradients of the quantized GEMMs: every rank holds the same weights
+    w = inner[0].weight.detach().clone()
+    ws = [torch.empty_like(w) for _ in range(world)]
+    torch.distributed.all_gather(ws, w)
+    assert all(torch.equal(ws[0], v) for v in ws[1:])
+
+
+def test_accelerate_trains_on_two_ranks():
+    pytest.importorskip("accelerate", reason="accelerate is not installed")
+    spawn(_check_accelerate, 2, backend="gloo")
+
+
+def test_accelerate_refuses_plain_optimizers_and_its_own_fp8():
+    pytest.importorskip("accelerate", reason="accelerate is not installed")
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from dtq.integrations import accelerate as dtq_accelerate
+
+    try:
+        accelerator = Accelerator(cpu=True)
+        qmodel = dtq_accelerate.convert(accelerator, torch.nn.Linear(H, H), "mxfp8", quantized_params=True)
+        with pytest.raises(ValueError, match=r"weight \(and 0 more\) are quantized parameters, stepped by SGD"):
+            dtq_accelerate.prepare(accelerator, qmodel, torch.optim.SGD(qmodel.parameters(), lr=0.1))
+        AcceleratorState._reset_state(True)
+        accelerator = Accelerator(cpu=True, mixed_precision="fp8")  # torchao's FP8 (installed with the tests)
+        with pytest.raises(ValueError, match="mixed_precision='fp8'"):
+            dtq_accelerate.convert(accelerator, torch.nn.Linear(H, H), "mxfp8")
+    finally:
+        AcceleratorState._reset_state(True)
