@@ -26,7 +26,7 @@ for recipe in ${TRAIN-}; do
   for c in ${COMPILE:-false}; do
     python3 launch/train.py --config "${CONFIG:-launch/configs/llama300m.toml}" --recipe "$recipe" \
       --set train.steps=${STEPS:-30} --set train.log_every=10 --set train.eval_every=0 \
-      --set train.checkpoint_every=0 --set train.compile=$c --out-dir "/tmp/run-$recipe-$c" \
+      --set train.checkpoint_every=0 --set train.compile=$c --out-dir "/tmp/run-$recipe-$c" --overwrite \
       > "$OUT/train-$recipe-$c.txt" 2>&1
     echo "train $recipe compile=$c rc=$? | $(grep -E 'step +[0-9]+' "$OUT/train-$recipe-$c.txt" | tail -1)"
   done

@@ -350,3 +350,23 @@ def test_a_recipe_made_anew_each_step_compiles_once():
 
     r = dtq.DelayedScaling(margin=1)
     assert pickle.loads(pickle.dumps(r)).key == r.key != dtq.DelayedScaling().key
+
+
+def test_compiled_quantized_weight_calls_script_nothing(monkeypatch):
+    """A quantized weight reaches the compiled GEMM op as payload fields and continues inside it
+    as dtq's internal payload container; the op's alias check once handed that container to
+    torch's ``_is_alias_of``, which TorchScript-compiled its class on every call (the FP8
+    trainer with train.compile ran 7x slower). Nothing may be scripted at run time."""
+    import torch.jit._script as script
+
+    compiled_classes = []
+    real = script._recursive_compile_class
+    monkeypatch.setattr(script, "_recursive_compile_class",
+                        lambda obj, loc: compiled_classes.append(obj) or real(obj, loc))
+    r = dtq.Float8CurrentScaling()
+    m = dtq.convert(Block(torch.relu), recipe=r, quantized_params=True)
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    for _ in range(2):
+        with dtq.autocast(r):
+            compiled(torch.randn(2, 16, H)).square().mean().backward()
+    assert compiled_classes == []

@@ -27,9 +27,15 @@ def _unaliased(flat: list, inputs: tuple) -> list:
     """Custom-op outputs may not alias inputs (or each other): a saved operand that is an input or
     a view of one (the high-precision input of ``backward_override="high_precision"``, a
     passthrough payload) is copied; and they are contiguous, as the fake implementation says."""
+    tensors = []
+    for i in inputs:  # a quantized weight (QuantizedData) as its payload tensors: torch's alias check takes
+        if isinstance(i, QUANTIZED):  # tensors only (anything else it tries to script, on every call)
+            tensors += lf.flatten_saved((i,))[0]
+        elif isinstance(i, torch.Tensor):
+            tensors.append(i)
     out, seen = [], []
     for t in flat:
-        if any(i is not None and torch._C._is_alias_of(t, i) for i in (*inputs, *seen)):
+        if any(torch._C._is_alias_of(t, i) for i in (*tensors, *seen)):
             t = t.clone(memory_format=torch.contiguous_format)
         t = t.contiguous()  # the fake payloads are contiguous
         seen.append(t)
