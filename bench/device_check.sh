@@ -7,13 +7,7 @@
 #   DTQ_COMMIT=<sha> bash bench/device_check.sh            # build + GPU tests (~4 min on an H100)
 #   DTQ_COMMIT=<sha> bash bench/device_check.sh --bench    # then bench_kernels and bench_layers
 set -uo pipefail
-OUT=${OUT:-/tmp/dtq_out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-fi
+source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 start=$(date +%s)
 python3 -m dtq.kernels build > "$OUT/build.log" 2>&1 || { echo "kernel build failed:"; tail -30 "$OUT/build.log"; }

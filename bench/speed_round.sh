@@ -6,13 +6,7 @@
 #   E2E="--hidden 2048 --recipes fp8 mxfp8" TRAIN="bf16 fp8" COMPILE="false true" bash bench/speed_round.sh
 #   E2E= TRAIN="bf16 fp8" bash bench/speed_round.sh             # trainer only
 set -uo pipefail
-OUT=${OUT:-/tmp/dtq_out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-fi
+source "$(dirname "$0")/device_env.sh"
 export DTQ_COMMIT=${DTQ_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 start=$(date +%s)
 python3 -m dtq.kernels build > "$OUT/build.log" 2>&1 || { echo "kernel build failed:"; tail -30 "$OUT/build.log"; exit 1; }

@@ -15,12 +15,7 @@ LAYOUT=${LAYOUT:-fsdp}
 STEPS=${STEPS:-100}
 RECIPES=${RECIPES:-bf16 fp8 hybrid}
 CONFIG=${CONFIG:-launch/configs/llama1b.toml}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD
-if compgen -G ".whl/*.whl" > /dev/null; then  # the trainer's train extra (pydantic & co.), carried as wheels
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-fi
+source "$(dirname "$0")/device_env.sh"  # the trainer's train extra (pydantic & co.), carried as wheels
 case "$LAYOUT" in
   fsdp) extra=() ;;
   hsdp) extra=(--set parallel.replicate=2) ;;
