@@ -1,28 +1,7 @@
 // pybind11 entry points of the dtq CUDA extension (built by dtq/kernels.py).
 #include <torch/extension.h>
 
-namespace dtq {
-bool quantize_fused(const at::Tensor& x, const std::vector<int64_t>& cfg_a, const std::vector<at::Tensor>& outs_a,
-                    const c10::optional<at::Tensor>& amax_a, const std::vector<int64_t>& cfg_b,
-                    const std::vector<at::Tensor>& outs_b, const c10::optional<at::Tensor>& amax_b,
-                    const c10::optional<at::Tensor>& seed);
-void amax(const at::Tensor& x, const at::Tensor& out, bool want_x, int64_t signs);
-void axis_amax(const at::Tensor& x, const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& cols);
-void dequantize(const at::Tensor& data, const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& tensor,
-                const std::vector<int64_t>& cfg, const at::Tensor& out);
-void transpose_u8(const at::Tensor& in, const at::Tensor& out);
-void swiglu_forward(const at::Tensor& x, const at::Tensor& h, int64_t block, const c10::optional<at::Tensor>& amax);
-void swiglu_backward(const at::Tensor& dh, const at::Tensor& x, const at::Tensor& dx, int64_t block,
-                     const c10::optional<at::Tensor>& amax);
-void scale_cast(const at::Tensor& src, const c10::optional<at::Tensor>& fa, const c10::optional<at::Tensor>& fb,
-                const at::Tensor& dst);
-std::vector<at::Tensor> quantize_alloc(const at::Tensor& x, const std::vector<int64_t>& cfg_a,
-                                       const std::vector<int64_t>& fields_a, const c10::optional<at::Tensor>& amax_a,
-                                       int64_t mode_a, const std::vector<int64_t>& cfg_b,
-                                       const std::vector<int64_t>& fields_b, const c10::optional<at::Tensor>& amax_b,
-                                       int64_t mode_b, int64_t signs, const c10::optional<at::Tensor>& seed);
-at::Tensor transposed_u8(const at::Tensor& in);
-}  // namespace dtq
+#include "entry_points.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_fused", &dtq::quantize_fused,

@@ -8,14 +8,9 @@
 
 #include <vector>
 
-namespace dtq {
-bool quantize_fused(const at::Tensor& x, const std::vector<int64_t>& cfg_a, const std::vector<at::Tensor>& outs_a,
-                    const c10::optional<at::Tensor>& amax_a, const std::vector<int64_t>& cfg_b,
-                    const std::vector<at::Tensor>& outs_b, const c10::optional<at::Tensor>& amax_b,
-                    const c10::optional<at::Tensor>& seed);
-void amax(const at::Tensor& x, const at::Tensor& out, bool want_x, int64_t signs);
-void axis_amax(const at::Tensor& x, const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& cols);
+#include "entry_points.h"
 
+namespace dtq {
 namespace {
 
 // Mirrors dtq/kernels.py _FIELD_DTYPES.

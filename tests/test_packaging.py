@@ -33,7 +33,7 @@ def test_wheel_ships_the_kernel_sources_and_kernels_find_them(wheel_site):
     site, names = wheel_site
     tmp_path = site.parent
     shipped = {pathlib.PurePosixPath(n).name for n in names if n.startswith("dtq/_csrc/")}
-    expected = {p.name for p in (ROOT / "csrc").iterdir() if p.suffix in (".cu", ".cuh", ".cpp")}
+    expected = {p.name for p in (ROOT / "csrc").iterdir() if p.suffix in (".cu", ".cuh", ".cpp", ".h")}
     assert set(kernels.SOURCES) <= expected and shipped == expected, sorted(shipped ^ expected)
     for name in expected:  # byte-identical copies
         assert (tmp_path / "site" / "dtq" / "_csrc" / name).read_bytes() == (ROOT / "csrc" / name).read_bytes()

@@ -132,7 +132,7 @@ def _needs_build() -> bool:
     """Whether loading will compile: no library in the build directory yet, or one older than a
     source (torch's loader then rebuilds)."""
     built = [p.stat().st_mtime for p in build_dir().glob("dtq_kernels*.so")]
-    sources = [p.stat().st_mtime for p in CSRC.glob("*") if p.suffix in (".cu", ".cuh", ".cpp")]
+    sources = [p.stat().st_mtime for p in CSRC.glob("*") if p.suffix in (".cu", ".cuh", ".cpp", ".h")]
     return not built or max(built) < max(sources, default=0.0)
 
 
