@@ -5,7 +5,7 @@ ratios to BF16 and to torchao.
 
     python bench/bench_e2e.py                                  # hidden 2048 (4 layers) and 4096 (2)
     python bench/bench_e2e.py --hidden 1024 --layers 8 --seq 2048
-    python bench/bench_e2e.py --recipes fp8 mxfp8 --no-eager --out results.json
+    python bench/bench_e2e.py --recipes fp8 mxfp8 --no-eager --out bench/results/e2e.json
     python bench/bench_e2e.py --smoke                           # tiny, any device: the script runs
 
 Each layer: RMSNorm, q/k/v/o ``nn.Linear`` (head dim 128), causal SDPA, residual, RMSNorm, SwiGLU

@@ -8,7 +8,7 @@ Llama-style model (attention + SwiGLU blocks, AdamW) per parameter mode, in one 
 * ``dtq hybrid (quantized params)``: MXFP8 rowwise / NVFP4 columnwise parameters;
 * ``torchao float8``: tensorwise float8 with FP8 all-gather and precomputed scales.
 
-    torchrun --nproc-per-node 4 bench/bench_fsdp.py --out bench/results_fsdp_h200x4.json
+    torchrun --nproc-per-node 4 bench/bench_fsdp.py --out bench/results/fsdp_h200x4.json
 
 Bytes are counted at the collectives (every all-gather output and reduce-scatter input FSDP2
 issues, per rank: ``dtq.launch.metrics.CollectiveBytes``), so every mode is measured the same way.

@@ -1,6 +1,6 @@
 """Quantize-kernel throughput against the measured copy ceiling (issue 6, part 3: kernels).
 
-    python bench/bench_kernels.py --out results.json [--sizes 16 64 256 1024] [--iters 20]
+    python bench/bench_kernels.py --out bench/results/kernels.json [--sizes 16 64 256 1024] [--iters 20]
 
 1. Copy ceiling: ``dst.copy_(src)`` of a 1 GiB buffer, (bytes read + bytes written) / time.
 2. For every format, direction set and a few hybrids, at each bf16 input size (MiB), the time of

@@ -4,7 +4,7 @@ on a GPU also BF16 and dtq FP8 under torch.compile (dtq's GEMMs eager, the rest 
 also runs as ``dtq.nn.LayerNormMLP`` (fused SwiGLU kernels that also hand the next quantization
 its amax), and in BF16 with that fused SwiGLU alone ("+fused swiglu").
 
-    python bench/bench_layers.py --out bench/results_layers.json
+    python bench/bench_layers.py --out bench/results/layers.json
     python bench/bench_layers.py --smoke        # tiny shapes, any device: checks the script runs
 
 It first measures the device's ceilings (BF16 GEMM, FP8 per-tensor, row-wise and 1x128 x 128x128

@@ -12,9 +12,10 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/devic
 start=$(date +%s)
 python3 -m dtq.kernels build > "$OUT/build.log" 2>&1 || { echo "kernel build failed:"; tail -30 "$OUT/build.log"; }
 echo "build: $(( $(date +%s) - start )) s"
-python3 -m pytest -q -rfE -p no:cacheprovider tests/test_kernels.py tests/test_gemm.py tests/test_cuda_reference.py \
-  tests/test_tensor_dispatch.py tests/test_swiglu.py tests/test_float8_rowwise.py tests/test_recompute_matrix.py \
-  tests/test_correctness_regressions.py tests/test_tensor_inplace.py tests/test_gpu_compile.py tests/test_nvfp4_options.py \
+python3 -m pytest -q -rfE -p no:cacheprovider tests/kernels/test_kernels.py tests/kernels/test_cuda_reference.py \
+  tests/kernels/test_gpu_compile.py tests/nn/test_gemm.py tests/nn/test_swiglu.py tests/tensor/test_dispatch.py \
+  tests/tensor/test_inplace.py tests/formats/test_float8_rowwise.py tests/formats/test_nvfp4_options.py \
+  tests/parallel/test_recompute_matrix.py tests/parallel/test_correctness_regressions.py \
   > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc=$? after $(( $(date +%s) - start )) s"
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -15

@@ -1,6 +1,6 @@
 """FSDP2 parameter memory, peak step memory, step time and all-gathered bytes per parameter mode.
 
-    torchrun --nproc-per-node 2 bench/fsdp_memory.py --out fsdp_memory.json
+    torchrun --nproc-per-node 2 bench/fsdp_memory.py [--out bench/results/fsdp_memory.json]
 
 Modes: BF16 parameters without quantization (the baseline), BF16 high-precision shards gathered
 as FP8, FP8 quantized parameters, MXFP8/NVFP4 hybrid quantized parameters. Forward + backward of a
@@ -13,6 +13,7 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -59,7 +60,7 @@ def main():
     p.add_argument("--ffn", type=int, default=8192)
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--out", default="fsdp_memory.json")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "fsdp_memory.json"))
     args = p.parse_args()
     dist.init_process_group("nccl")
     rank = dist.get_rank()

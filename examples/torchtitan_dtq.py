@@ -7,7 +7,7 @@ A torchtitan ``config_registry`` module: torchtitan's trainer imports it by modu
 
 It needs what torchtitan's trainer needs (CUDA GPUs, triton, the tokenizer assets its debug
 config names: run it from a directory that has ./tests/assets/tokenizer, or set
-``hf_assets_path``). tests/test_integration_torchtitan.py runs the same converter and hook on CPU.
+``hf_assets_path``). tests/integrations/test_torchtitan.py runs the same converter and hook on CPU.
 """
 
 from __future__ import annotations

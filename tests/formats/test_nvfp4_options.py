@@ -20,9 +20,8 @@ from dtq import kernels
 from dtq.checkpoint.state_dict import format_tag
 from dtq.formats.base import codec_for
 from dtq.testing import spawn
-
-from _quantizers import E2M1, assert_payload_equal, bits, decode_e2m1, payload_rows, randn, unpack_e2m1
-from test_formats_properties import _elementwise_bound
+from tests._quantizers import E2M1, assert_payload_equal, bits, decode_e2m1, payload_rows, randn, unpack_e2m1
+from tests.formats.test_properties import _elementwise_bound
 
 NV = dtq.NVFP4Quantizer
 S1 = torch.tensor(2688.0)  # a global amax giving S_enc = 1: block scales are block_amax / 6 (or / 4)
@@ -377,7 +376,7 @@ def _options_recipe(role):
 
 
 def _check_distributed(rank, world):
-    import test_sharded_equals_single as ses
+    import tests.parallel.test_sharded_equals_single as ses
 
     recipe = dtq.CustomRecipe(_options_recipe)
     mesh = init_device_mesh("cpu", (world,))
@@ -429,7 +428,8 @@ def test_dcp_round_trip_of_quantized_parameters(tmp_path):
     """dcp.save / dcp.load of a model whose quantized parameters carry the options (row-scaled
     [M, 1] / [1, K] amax fields, 4/6 scales): a fresh model loads them bit for bit."""
     import torch.distributed.checkpoint as dcp
-    import test_checkpoint as tc
+
+    import tests.checkpoint.test_checkpoint as tc
 
     recipe = dtq.CustomRecipe(_options_recipe)
     a = tc._model(0, True, recipe=recipe)

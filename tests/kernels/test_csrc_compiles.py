@@ -3,7 +3,7 @@ a source that no longer compiles would make every GPU run fall back to the refer
 warning), so CI checks it wherever ``nvcc`` exists. Host code is compiled fully; device code to
 the end of nvcc's front end (``--fdevice-syntax-only``: types, templates and overloads are
 checked, no PTX is generated), with the flags of the real build (``dtq.kernels.CUDA_FLAGS`` and
-torch's extension flags). The bits are the GPU tests' business (tests/test_kernels.py)."""
+torch's extension flags). The bits are the GPU tests' business (tests/kernels/test_kernels.py)."""
 
 from __future__ import annotations
 

@@ -10,11 +10,12 @@ import torch
 import torch.nn.functional as F
 
 import dtq
-from _recipe_matrix import RECIPES
 from dtq import kernels
+from tests._recipe_matrix import RECIPES
 
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and kernels.available("cuda")),
-                                reason="needs a CUDA GPU with dtq's kernels (sm_90+)")
+pytestmark = [pytest.mark.skipif(not (torch.cuda.is_available() and kernels.available("cuda")),
+                                 reason="needs a CUDA GPU with dtq's kernels (sm_90+)"),
+              pytest.mark.usefixtures("fresh_dynamo")]  # tests/conftest.py
 
 H = 256
 ALL = {**RECIPES, "fp8_high_precision_bwd": lambda: dtq.Float8CurrentScaling(backward_override="high_precision")}
@@ -22,13 +23,6 @@ ALL = {**RECIPES, "fp8_high_precision_bwd": lambda: dtq.Float8CurrentScaling(bac
 # CUDA-graph replay would skip (delayed scaling's Python-side scale records, stochastic rounding's
 # per-call seeds are drawn outside what a replay repeats).
 CUDA_GRAPH_SAFE = ("fp8", "fp8_block", "fp8_row", "mxfp8", "fp8_dequantized_bwd", "fp8_high_precision_bwd")
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 class Block(torch.nn.Module):

@@ -14,7 +14,7 @@ import torch
 from dtq.testing import spawn
 from dtq.launch import checkpointing
 from dtq.launch import train as train_mod
-from test_train import ROOT, TINY, _env, _records
+from tests.launch.test_train import ROOT, TINY, _env, _records
 
 # One step of the README's tiny config on a little data: a real run in a few seconds.
 ONE_STEP = [*TINY, "--steps", "1", "--set", "data.max_bytes=300000", "--set", "train.eval_batches=1"]

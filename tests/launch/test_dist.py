@@ -1,5 +1,5 @@
 """dtq/launch/dist.py: who a process is, from the environment each launcher leaves behind (no real
-SLURM or MPI needed here; tests/test_train.py runs torchrun and mpirun for real)."""
+SLURM or MPI needed here; tests/launch/test_train.py runs torchrun and mpirun for real)."""
 
 import os
 import stat

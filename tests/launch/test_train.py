@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # 6 steps of the README's tiny config (2 layers, hidden 256, 256 tokens per rank, hybrid
 # MXFP8/NVFP4 recipe with stochastic rounding), a checkpoint every 3 steps, a loss record every step.

@@ -23,11 +23,7 @@ RECIPES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 class ReLUMLP(torch.nn.Module):

@@ -10,17 +10,13 @@ import torch
 import torch.nn.functional as F
 
 import dtq
-from _recipe_matrix import RECIPES
+from tests._recipe_matrix import RECIPES
 
 H = 64
 ALL = {**RECIPES, "fp8_high_precision_bwd": lambda: dtq.Float8CurrentScaling(backward_override="high_precision")}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 class Block(torch.nn.Module):

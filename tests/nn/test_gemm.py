@@ -6,8 +6,7 @@ import torch
 
 import dtq
 from dtq.gemm import Operand, mm, record_paths
-
-from _quantizers import ALL, IDS
+from tests._quantizers import ALL, IDS
 
 M, K, N = 64, 128, 96
 torch.manual_seed(0)

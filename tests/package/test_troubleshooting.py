@@ -29,7 +29,7 @@ import re
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "troubleshooting.md"
 # The example trainer ships inside the package but is not the library: its messages (config
 # mistakes, launchers) are documented in docs/training.md, "Errors you may meet".

@@ -96,7 +96,6 @@ _EMPTY_RECIPES = {
 }
 
 
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("shape", [(2, 0, 128), (0, 128), (0, 3, 128)])
 @pytest.mark.parametrize("recipe_name", list(_EMPTY_RECIPES))
 def test_empty_leading_dims(recipe_name, shape, device):

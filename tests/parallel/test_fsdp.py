@@ -279,7 +279,7 @@ def test_training_hsdp_2x2():
 def _check_amax_and_mixed_precision(rank, world):
     import warnings
 
-    from test_master_weights import _CountAllReduce
+    from tests.parallel.test_master_weights import _CountAllReduce
 
     mesh = init_device_mesh(_device().type, (world,))
     recipe = _recipes()["fp8"]  # per-tensor scales: every gather needs a global amax

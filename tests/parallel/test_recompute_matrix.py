@@ -13,8 +13,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import dtq
-
-from _recipe_matrix import RECIPES
+from tests._recipe_matrix import RECIPES
 
 HIDDEN, TOKENS, STEPS = 128, 32, 4
 
@@ -68,10 +67,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # CUDA: the kernels' paths
-
-
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("twice", [False, True], ids=["once", "twice"])
 @pytest.mark.parametrize("recipe_name", list(CASES))
 def test_recompute_is_bitwise(recipe_name, twice, device):

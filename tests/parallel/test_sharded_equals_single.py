@@ -23,8 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 import dtq
 from dtq.testing import spawn
-
-from _recipe_matrix import RECIPES
+from tests._recipe_matrix import RECIPES
 
 # 256: a 2-way shard of a weight keeps whole 128x128 FP8 blocks; 32 tokens: whole MXFP8 (32) and
 # NVFP4 (16) column blocks.
