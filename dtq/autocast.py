@@ -83,4 +83,3 @@ def active_amax_sync() -> AmaxSync | None:
     """The :class:`dtq.parallel.amax.AmaxSync` of the innermost ``autocast(amax_group=...)``, or None."""
     stack = _stack()
     return stack[-1][1] if stack else None
-
