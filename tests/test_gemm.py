@@ -233,15 +233,19 @@ def _precisions() -> dict:
     return {**seen, "bf16_reduction": torch._C._get_cublas_allow_bf16_reduced_precision_reduction()}
 
 
+def _torch_defaults() -> None:
+    torch.set_float32_matmul_precision("highest")
+    for k in _PRECISION_KEYS:
+        torch._C._set_fp32_precision_setter(*k, "none")
+    torch._C._set_cublas_allow_bf16_reduced_precision_reduction(True, True)
+
+
 @pytest.fixture
 def user_flags():
     """A test sets process-wide matmul flags as a user would; they go back to torch's defaults after."""
     before = _precisions()
     yield
-    torch.set_float32_matmul_precision("highest")
-    for k in _PRECISION_KEYS:
-        torch._C._set_fp32_precision_setter(*k, "none")
-    torch._C._set_cublas_allow_bf16_reduced_precision_reduction(True, True)
+    _torch_defaults()
     assert _precisions() == before
 
 
@@ -300,6 +304,7 @@ def test_cuda_flag_holds_give_back_exactly_what_the_user_set(user_flags):
     for user in (lambda: setattr(torch.backends.cuda.matmul, "fp32_precision", "tf32"),
                  lambda: torch.set_float32_matmul_precision("medium"),  # stays "medium", not "high"
                  lambda: setattr(torch.backends, "fp32_precision", "tf32")):  # inherited by cuda.matmul
+        _torch_defaults()
         user()
         before = _precisions()
         with tf32_off:
