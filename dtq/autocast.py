@@ -83,15 +83,3 @@ def active_amax_sync() -> AmaxSync | None:
     """The :class:`dtq.parallel.amax.AmaxSync` of the innermost ``autocast(amax_group=...)``, or None."""
     stack = _stack()
     return stack[-1][1] if stack else None
-
-
-@contextlib.contextmanager
-def restore(recipe: Recipe | None) -> Iterator[None]:
-    """Re-enter a recipe captured earlier (None: disabled), e.g. for a recompute in backward."""
-    if recipe is not None:
-        recipe_key(recipe)
-    _stack().append((recipe, None))
-    try:
-        yield
-    finally:
-        _stack().pop()

@@ -44,17 +44,61 @@ def record_paths() -> Iterator[list[str]]:
             _recorders.remove(rec)
 
 
-@contextlib.contextmanager
-def _ieee_fp32(device: torch.device) -> Iterator[None]:
-    """Emulated GEMMs accumulate in true fp32, also where a user allowed TF32 matmuls."""
-    if device.type != "cuda" or not torch.backends.cuda.matmul.allow_tf32:
-        yield
-        return
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = True
+class _PinnedFlag:
+    """One process-wide torch flag held at the value dtq's emulated GEMMs need, only where the
+    caller's value would change their bits, and only while one runs (a reusable context manager).
+    torch offers no per-call switch for these (cuBLAS and oneDNN read the global context), so the
+    first GEMM in flight sets the flag and the last one puts the caller's value back; GEMMs on other
+    threads (autograd's) share the hold, so none restores while another still relies on it. A value
+    someone else set meanwhile is left alone."""
+
+    __slots__ = ("read", "write", "fine", "want", "restore_as", "users", "saved")
+
+    def __init__(self, read: Callable[[], object], write: Callable[[object], None], want: object,
+                 fine: tuple = (), restore_as: Callable[[object], object] = lambda v: v):
+        self.read, self.write, self.want, self.restore_as = read, write, want, restore_as
+        self.fine = (want, *fine)  # values that compute the same bits: nothing to change
+        self.users, self.saved = 0, None
+
+    def __enter__(self) -> None:
+        with _flag_lock:
+            if not self.users:
+                current = self.read()
+                if current not in self.fine:
+                    restore = self.restore_as(current)
+                    self.write(self.want)
+                    self.saved = restore  # set: this hold changed the flag (None: it did not)
+            self.users += 1
+
+    def __exit__(self, *exc) -> None:
+        with _flag_lock:
+            self.users -= 1
+            if not self.users and self.saved is not None:
+                if self.read() == self.want:
+                    self.write(self.saved)
+                self.saved = None
+
+
+_flag_lock = threading.Lock()
+_get_precision, _set_precision = torch._C._get_fp32_precision_getter, torch._C._set_fp32_precision_setter
+
+
+def _ieee_fp32(backend: str) -> _PinnedFlag:
+    """Emulated GEMMs multiply in true fp32 whatever a user allowed for fp32 matmuls (TF32 in cuBLAS,
+    BF16 / TF32 in oneDNN on CPU): those round the dequantized operands (any value, scales applied,
+    not just the codes) to 10 or 7 mantissa bits, and dtq's results must not depend on the caller's
+    setting. Read and set through ``fp32_precision`` (what cuBLAS and oneDNN read since torch 2.9;
+    reading the legacy ``allow_tf32`` raises once a user set the new one). The caller's setting
+    comes back as it was: "none" where the backend's ``all`` setting gives the same value (an
+    explicit value equal to the inherited one reads the same)."""
+    return _PinnedFlag(functools.partial(_get_precision, backend, "matmul"),
+                       functools.partial(_set_precision, backend, "matmul"), "ieee", fine=("none",),
+                       restore_as=lambda v: "none" if _get_precision(backend, "all") == v else v)
+
+
+# fp32 matmul precision per device type; other devices have no flag dtq knows to hold
+_IEEE_FP32 = {"cuda": _ieee_fp32("cuda"), "cpu": _ieee_fp32("mkldnn")}
+_NO_FLAG = contextlib.nullcontext()
 
 
 class Operand:
@@ -143,7 +187,7 @@ def _emulated(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
     rotated = _shared_rotation(a, b)
     va, fa = a.values(rotated)
     vb, fb = b.values(rotated)
-    with _ieee_fp32(va.device):
+    with _IEEE_FP32.get(va.device.type, _NO_FLAG):
         out = va @ vb
     return _apply_factors(out, fa, fb, out_dtype)
 
@@ -155,16 +199,19 @@ def _bf16_exact_ok(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
     return a.exact_dtype(rotated) == torch.bfloat16 and b.exact_dtype(rotated) == torch.bfloat16
 
 
-@contextlib.contextmanager
-def _full_precision_bf16_reduction() -> Iterator[None]:
-    """cuBLAS may reduce split-K partial sums in bf16 unless told not to."""
-    matmul = torch.backends.cuda.matmul
-    before = matmul.allow_bf16_reduced_precision_reduction
-    matmul.allow_bf16_reduced_precision_reduction = False
-    try:
-        yield
-    finally:
-        matmul.allow_bf16_reduced_precision_reduction = before
+def _full_precision_bf16_reduction() -> _PinnedFlag:
+    """cuBLAS may reduce split-K partial sums in bf16 unless told not to. dtq's BF16 GEMMs run with
+    reduced-precision reductions off and split-K allowed (torch's ``(False, True)``; a bare
+    ``False`` before torch 2.10), whatever the caller's setting: the reduction options also narrow
+    cuBLASLt's algorithm choice, hence the sum order, for fp32 outputs too."""
+    read, write = (torch._C._get_cublas_allow_bf16_reduced_precision_reduction,
+                   torch._C._set_cublas_allow_bf16_reduced_precision_reduction)
+    if isinstance(read(), tuple):  # (allow reduced precision, allow split-K)
+        return _PinnedFlag(read, lambda v: write(*v), (False, True))
+    return _PinnedFlag(read, write, False)
+
+
+_FULL_BF16_REDUCTION = _full_precision_bf16_reduction()
 
 
 def _emulated_bf16(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
@@ -174,7 +221,7 @@ def _emulated_bf16(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tens
     rotated = _shared_rotation(a, b)
     va, fa = a.values(rotated, torch.bfloat16)
     vb, fb = b.values(rotated, torch.bfloat16)
-    with _full_precision_bf16_reduction():
+    with _FULL_BF16_REDUCTION:
         if fa is None and fb is None and out_dtype == torch.bfloat16:
             return torch.mm(va, vb)  # fp32 sums rounded once, into the output: no fp32 pass
         out = torch.mm(va, vb, out_dtype=torch.float32)

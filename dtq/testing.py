@@ -118,10 +118,3 @@ def _spawn_once(fn: Callable[..., Any], world_size: int, args: tuple, backend: s
     bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
     if bad:
         raise RuntimeError(f"ranks exited abnormally (rank, exit code): {bad}")
-
-
-def requires_gpus(n: int):
-    """``pytest`` mark: skip unless ``n`` CUDA devices are present."""
-    import pytest
-
-    return pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} GPUs")

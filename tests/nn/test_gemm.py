@@ -1,8 +1,11 @@
 """GEMM dispatch: every pairing of formats runs for all three GEMMs; native paths, where the device
 has them, are taken and agree with emulation."""
 
+import functools
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtq
 from dtq.gemm import Operand, mm, record_paths
@@ -214,3 +217,114 @@ def test_bf16_tensor_core_emulation_on_gpu():
                 cpu = Operand(op.tensor.to("cpu"), op.direction, op.transpose)
                 assert torch.equal(op.values(rotated, torch.bfloat16)[0].cpu(),
                                    cpu.values(rotated, torch.float32)[0].to(torch.bfloat16))
+
+
+_PRECISION_KEYS = [("generic", "all"), ("cuda", "all"), ("cuda", "matmul"), ("mkldnn", "all"), ("mkldnn", "matmul")]
+
+
+def _precisions() -> dict:
+    """The fp32 matmul settings a user can read (resolved as torch reads them), and the legacy one."""
+    seen = {k: torch._C._get_fp32_precision_getter(*k) for k in _PRECISION_KEYS}
+    try:
+        seen["legacy"] = torch.get_float32_matmul_precision()
+    except RuntimeError as e:  # torch refuses to read it once the new and legacy settings disagree
+        seen["legacy"] = str(e)
+    return {**seen, "bf16_reduction": torch._C._get_cublas_allow_bf16_reduced_precision_reduction()}
+
+
+def _torch_defaults() -> None:
+    torch.set_float32_matmul_precision("highest")
+    for k in _PRECISION_KEYS:
+        torch._C._set_fp32_precision_setter(*k, "none")
+    torch._C._set_cublas_allow_bf16_reduced_precision_reduction(True, True)
+
+
+@pytest.fixture
+def user_flags():
+    """A test sets process-wide matmul flags as a user would; they go back to torch's defaults after."""
+    before = _precisions()
+    yield
+    _torch_defaults()
+    assert _precisions() == before
+
+
+class _MatmulPrecision(TorchDispatchMode):
+    """Records the oneDNN fp32 matmul precision every aten.mm runs under (what its CPU kernel reads)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mm.default:
+            self.seen.append(torch._C._get_fp32_precision_getter("mkldnn", "matmul"))
+        return func(*args, **(kwargs or {}))
+
+
+_USER_SETTINGS = {
+    "legacy_medium": lambda: torch.set_float32_matmul_precision("medium"),  # oneDNN BF16, cuBLAS TF32
+    "generic_bf16": lambda: setattr(torch.backends, "fp32_precision", "bf16"),
+    "mkldnn_matmul_tf32": lambda: setattr(torch.backends.mkldnn.matmul, "fp32_precision", "tf32"),
+}
+
+
+@pytest.mark.parametrize("setting", list(_USER_SETTINGS))
+def test_emulated_gemm_multiplies_in_fp32_and_leaves_the_users_flags(user_flags, setting):
+    """A user's fp32 matmul precision (BF16 / TF32 in oneDNN: rounded operands on CPUs that have
+    them) changes neither dtq's GEMM arithmetic nor, after the GEMM, the user's setting."""
+    q = dtq.Float8BlockQuantizer((1, 128))  # values with non-power-of-two scales: not bf16-exact
+    a, b = Operand(q.quantize(X, seed=1)), Operand(q.quantize(W, seed=2), transpose=True)
+    expected = mm(a, b)
+    _USER_SETTINGS[setting]()
+    before = _precisions()
+    assert before[("mkldnn", "matmul")] in ("bf16", "tf32")
+    with _MatmulPrecision() as inside:
+        out = mm(a, b)
+    assert inside.seen == ["ieee"]
+    assert _precisions() == before
+    assert torch.equal(out, expected)
+    with _MatmulPrecision() as user:  # the user's own matmuls still run as the user asked
+        X @ W.T
+    assert user.seen == [before[("mkldnn", "matmul")]]
+
+
+def test_cuda_flag_holds_give_back_exactly_what_the_user_set(user_flags):
+    """On CUDA, emulated fp32 GEMMs hold cuBLAS at true fp32 (no TF32) and BF16 GEMMs at fp32
+    split-K reductions. The holds (run here without a GPU: the flags are process-wide) give back
+    the user's setting exactly, new fp32_precision API and legacy "medium" included, and GEMMs in
+    flight together (autograd's threads) keep the flag held until the last one ends."""
+    tf32_off, full_reduction = dtq.gemm._IEEE_FP32["cuda"], dtq.gemm._FULL_BF16_REDUCTION
+    cuda_mm = functools.partial(torch._C._get_fp32_precision_getter, "cuda", "matmul")
+    reduction = torch._C._get_cublas_allow_bf16_reduced_precision_reduction
+    set_reduction = torch._C._set_cublas_allow_bf16_reduced_precision_reduction
+
+    with tf32_off:  # torch's default (no TF32): nothing to change
+        assert cuda_mm() == "none"
+    for user in (lambda: setattr(torch.backends.cuda.matmul, "fp32_precision", "tf32"),
+                 lambda: torch.set_float32_matmul_precision("medium"),  # stays "medium", not "high"
+                 lambda: setattr(torch.backends, "fp32_precision", "tf32")):  # inherited by cuda.matmul
+        _torch_defaults()
+        user()
+        before = _precisions()
+        with tf32_off:
+            assert cuda_mm() == "ieee"
+        assert _precisions() == before
+    torch.backends.fp32_precision = "ieee"
+    assert cuda_mm() == "ieee"  # cuda.matmul still inherits the generic setting
+
+    for user in ((True, True), (False, False), (False, True)):
+        set_reduction(*user)
+        with full_reduction:
+            assert reduction() == (False, True)
+        assert reduction() == user
+
+    set_reduction(True, True)
+    full_reduction.__enter__()  # two GEMMs in flight; the first to start ends first
+    full_reduction.__enter__()
+    full_reduction.__exit__(None, None, None)
+    assert reduction() == (False, True)
+    full_reduction.__exit__(None, None, None)
+    assert reduction() == (True, True)
+    with full_reduction:
+        set_reduction(False, False)  # set by the user meanwhile: kept
+    assert reduction() == (False, False)
