@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dtq
 from dtq import kernels
-from dtq.checkpoint.state_dict import format_tag
+from dtq.nn.state_dict import format_tag
 from dtq.formats.base import codec_for
 from dtq.testing import spawn
 
