@@ -4,7 +4,8 @@ import torch
 
 from dtq.formats import (COLUMNWISE, DIRECTIONS, ROWWISE, Float8BlockQuantizer, Float8Quantizer, Float8RowwiseQuantizer,
                          HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer)
-from dtq.tensor import QuantizedTensor, quantized_safe_globals
+from dtq.tensor import QuantizedTensor
+from dtq.weights import quantized_safe_globals
 from dtq.recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling,
                         HybridRecipe, MXFP8BlockScaling, NVFP4BlockScaling, QuantizerRole, Recipe,
                         hybrid_recipe)

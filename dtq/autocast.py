@@ -12,7 +12,7 @@ from dtq.recipe import Float8CurrentScaling, Recipe, recipe_key
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-    from dtq.parallel.amax import AmaxSync
+    from dtq.distributed.amax import AmaxSync
 
 _local = threading.local()
 
@@ -35,7 +35,7 @@ def autocast(recipe: Recipe | None = None, enabled: bool = True, *,
     delayed-scaling amax histories, as TransformerEngine's ``fp8_group`` does: the amaxes this
     region's modules record are MAX-reduced over it in one all-reduce when the region exits, and
     those of their backward in one all-reduce at the end of the backward pass (see
-    :class:`dtq.parallel.amax.AmaxSync`). Every rank of the group must run the same dtq modules
+    :class:`dtq.distributed.amax.AmaxSync`). Every rank of the group must run the same dtq modules
     in the same order. Recipes without histories ignore it; nested regions without their own
     share the enclosing one's."""
     if recipe is not None and not isinstance(recipe, Recipe):
@@ -43,7 +43,7 @@ def autocast(recipe: Recipe | None = None, enabled: bool = True, *,
                         f"dtq.CustomRecipe(factory)), got {type(recipe).__name__}")
     stack = _stack()
     if amax_group is not None:
-        from dtq.parallel.amax import AmaxSync
+        from dtq.distributed.amax import AmaxSync
 
         sync = AmaxSync(amax_group)
     else:
@@ -80,6 +80,6 @@ def recipe_or(default: Recipe | None) -> Recipe | None:
 
 
 def active_amax_sync() -> AmaxSync | None:
-    """The :class:`dtq.parallel.amax.AmaxSync` of the innermost ``autocast(amax_group=...)``, or None."""
+    """The :class:`dtq.distributed.amax.AmaxSync` of the innermost ``autocast(amax_group=...)``, or None."""
     stack = _stack()
     return stack[-1][1] if stack else None

@@ -15,6 +15,7 @@ from dtq.nn.linear import Linear
 from dtq.nn.module import QuantizedModule, as_weight
 from dtq.recipe import Recipe
 from dtq.shapes import linear_problem
+from dtq.weights import local_data
 
 log = logging.getLogger("dtq")
 
@@ -106,12 +107,11 @@ def _quantize_weight(q, w: torch.Tensor, columnwise: bool, name: str) -> torch.T
 def _quantize_sharded(q, w: torch.Tensor, columnwise: bool, name: str) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
-    from dtq.parallel.amax import check_column_shards, sharded_dims
-    from dtq.parallel.tp import reduce_amax
+    from dtq.distributed.amax import check_column_shards, sharded_dims
+    from dtq.distributed.tp import reduce_amax
 
     check_column_shards(q, w, name)
-    local = w._local_tensor
-    local = local.__dtq_unwrap__() if hasattr(local, "__dtq_unwrap__") else local
+    local = local_data(w)
     amax = q.local_amax(local, rowwise=True, columnwise=columnwise)
     for mesh_dim, dim in sharded_dims(w):
         if amax:

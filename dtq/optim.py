@@ -12,22 +12,22 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from dtq.nn.module import LIVE_MODULES
 from dtq.parallel.master import quantize_master_weights
-from dtq.tensor import QuantizedTensor, warn_once
+from dtq._warn import warn_once
+from dtq.tensor import QuantizedTensor
+from dtq._torch_private import local_tensor
 
 MASTER = "master"  # the state entry that holds a quantized parameter's FP32 master weight
 
 
 def _is_quantized(p: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(p._local_tensor if isinstance(p, DTensor) else p, QuantizedTensor)
+    return isinstance(local_tensor(p), QuantizedTensor)
 
 
 def _fp32_master(p: torch.Tensor) -> torch.nn.Parameter:
     from torch.distributed.tensor import DTensor
 
     if isinstance(p, DTensor):
-        local = p._local_tensor.dequantize(torch.float32)
+        local = local_tensor(p).dequantize(torch.float32)
         return torch.nn.Parameter(DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
                                                      shape=p.shape, stride=p.stride()))
     return torch.nn.Parameter(p.dequantize(torch.float32))
@@ -293,9 +293,7 @@ def _groups(params) -> list[dict]:
 
 
 def _local_of(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return local_tensor(t)
 
 
 # -- plain optimizers on quantized parameters ---------------------------------------------------

@@ -30,19 +30,20 @@ from __future__ import annotations
 
 import inspect
 import math
-import warnings
 from typing import Callable, Iterable, NamedTuple
 
 import torch
 from torch.utils._pytree import tree_map
 
+from dtq._torch_private import local_tensor
+from dtq._warn import warn_once
+from dtq.distributed import gather
 from dtq.formats.base import (COLUMNWISE, DIRECTIONS, ROWWISE, Payload, QuantizedData, Quantizer, check_direction,
                               codec_for, dequantize_payload, quantize_payloads, shape_2d)
 
 aten = torch.ops.aten
 _FLAT = "_payload__"  # attribute-name prefix under which __tensor_flatten__ exposes payload tensors
 _HANDLERS: dict = {}
-_warned: set = set()
 
 
 def _implements(ops: Iterable):
@@ -69,12 +70,6 @@ class _Partial(NamedTuple):
 
 
 _INHERIT = object()  # _like's default: the result shares the source's payloads, so keeps its _partial
-
-
-def warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, stacklevel=3)
 
 
 class QuantizedTensor(torch.Tensor):
@@ -254,14 +249,15 @@ class QuantizedTensor(torch.Tensor):
 
     # -- FSDP2 all-gather extension (quantized parameters) -----------------------------------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        from dtq.parallel.fsdp import quantized_pre_all_gather
-
-        return quantized_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
+        return gather.quantized_pre_all_gather(self, self._quantizer, self._payloads, mesh, outer_size, module)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        from dtq.parallel.fsdp import post_all_gather
-
         return post_all_gather(all_gather_outputs, metadata, param_dtype, out)
+
+    def refill(self, quantizer: Quantizer, payloads: dict[str, Payload], shape2d: tuple[int, int]) -> None:
+        """Replace the payloads in place: FSDP2 keeps one unsharded parameter object across
+        gathers (autograd accumulates into it; GEMMs saved it for backward)."""
+        self._quantizer, self._payloads, self._shape2d = quantizer, payloads, tuple(shape2d)
 
     # -- dispatch ------------------------------------------------------------------------------
     @classmethod
@@ -273,6 +269,17 @@ class QuantizedTensor(torch.Tensor):
             if out is not NotImplemented:
                 return out
         return _fallback(func, args, kwargs)
+
+
+def post_all_gather(outputs, meta, param_dtype: torch.dtype, out: QuantizedTensor | None = None):
+    """Both weight kinds' ``fsdp_post_all_gather``: the unsharded parameter, a QuantizedTensor
+    over the gathered buffers (``out``, FSDP2's kept object, is refilled instead)."""
+    payloads = gather.gathered_payloads(outputs, meta)
+    if out is not None:
+        out = local_tensor(out)  # a TP parameter: its local tensor is the object GEMMs saved
+        out.refill(meta.quantizer, payloads, shape_2d(meta.full_shape))
+        return None
+    return QuantizedTensor(meta.full_shape, param_dtype, meta.quantizer, payloads), ()
 
 
 # FSDP2 reads the hook's signature on every gather (it accepts two calling conventions);
@@ -656,10 +663,5 @@ def _rebuild_quantized(shape, dtype, quantizer, payloads, requires_grad, shape2d
                            partial=partial)
 
 
-def quantized_safe_globals() -> list:
-    """Classes that ``torch.load(weights_only=True)`` must accept to rebuild QuantizedTensors."""
-    from dtq.formats import HybridQuantizer, registered_quantizers
-
-    from dtq.parallel.fsdp import HighPrecisionWeight
-
-    return [QuantizedTensor, _rebuild_quantized, HybridQuantizer, HighPrecisionWeight, *registered_quantizers()]
+# What torch.load(weights_only=True) needs from this module (dtq.weights.quantized_safe_globals adds the rest).
+SAFE_GLOBALS = (QuantizedTensor, _rebuild_quantized)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dtq.checkpoint.state_dict import entry_key
+from dtq.nn.state_dict import entry_key
 from dtq.tensor import QuantizedTensor
+from dtq.weights import local_tensor, unwrap
 
 
 def _row_offset(p: torch.Tensor) -> int:
@@ -34,7 +35,7 @@ def _full_quantized(name: str, param: torch.Tensor, entries: dict) -> QuantizedT
     """The whole quantized tensor behind a (sharded) quantized parameter, from its state-dict entries."""
     from torch.distributed.tensor import DTensor
 
-    local = param._local_tensor if isinstance(param, DTensor) else param
+    local = local_tensor(param)
     payloads: dict = {}
     for d in local.directions:
         for k, v in local.payload(d).items():  # entries hold FP8 codes as bytes
@@ -56,14 +57,14 @@ def high_precision_state_dict(model: torch.nn.Module, dtype: torch.dtype = torch
     sd = model.state_dict()
     out = {}
     for name, param in model.named_parameters():
-        local = param._local_tensor if isinstance(param, DTensor) else param
+        local = local_tensor(param)
         if id(param) in masters:
             value = _full(masters[id(param)].detach())
         elif isinstance(local, QuantizedTensor):
             value = _full_quantized(name, param, sd).dequantize(torch.float32)
         else:
             value = _full(param.detach())
-            value = value.__dtq_unwrap__() if hasattr(value, "__dtq_unwrap__") else value
+            value = unwrap(value)
         out[name] = value.to(dtype).cpu()
     for name, buf in model.named_buffers():
         out[name] = _full(buf).cpu()
@@ -102,14 +103,14 @@ def load_high_precision(model: torch.nn.Module, state_dict: dict[str, torch.Tens
         if tuple(full.shape) != tuple(p.shape):
             raise ValueError(f"load_high_precision: {name} has shape {list(full.shape)} in the state dict and "
                              f"{list(p.shape)} in the model")
-        local = p._local_tensor if isinstance(p, DTensor) else p
+        local = local_tensor(p)
         start = _row_offset(p)
         if isinstance(local, QuantizedTensor):
             whole = local.quantizer.quantize(full.to(local.device), rowwise=local.has("rowwise"),
                                              columnwise=local.has("columnwise"))
             local.copy_(whole[start:start + local.shape[0]])
         else:
-            target = local.__dtq_unwrap__() if hasattr(local, "__dtq_unwrap__") else local
+            target = unwrap(local)
             target.copy_(full[start:start + local.shape[0]] if isinstance(p, DTensor) else full)
     for name, buf in model.named_buffers():
         if name in state_dict:

@@ -458,7 +458,7 @@ class QuantizePlan:
 
 
 def _warn_reference(q: Quantizer) -> None:
-    from dtq.tensor import warn_once
+    from dtq._warn import warn_once
 
     warn_once(f"generic-kernel {q!r}", f"{q!r}: the generic quantize kernel (this slot pair has no specialised "
               "kernel, or the input is not 16-byte aligned) lacks an option of this quantizer; the PyTorch "

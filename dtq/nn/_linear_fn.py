@@ -13,12 +13,13 @@ from torch.autograd.function import once_differentiable
 from dtq.formats import COLUMNWISE, ROWWISE, Quantizer
 from dtq.formats.base import codec_for, shape_2d
 from dtq.gemm import Operand, mm
-from dtq.parallel import tp
-from dtq.parallel._torch_private import checkpoint_region
+from dtq.distributed import tp
+from dtq._torch_private import checkpoint_region
 from dtq.nn.gemm_state import GemmCall
 from dtq.recipe import QuantizerRole
 from dtq.formats.base import QuantizedData
 from dtq.tensor import QUANTIZED, QuantizedTensor
+from dtq.weights import local_tensor, unwrap
 
 
 @dataclasses.dataclass
@@ -97,7 +98,7 @@ class Slot:
                  group=None, sync=None, known_amax: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` quantized into the requested directions; with a ``group``, ``x`` is this rank's
         sequence-parallel shard and the result is the gathered whole (docs/design.md §5: quantized, with
-        scales agreed across the group). ``sync``: the :class:`dtq.parallel.amax.AmaxSync` that
+        scales agreed across the group). ``sync``: the :class:`dtq.distributed.amax.AmaxSync` that
         reduces this step's delayed-scaling amax over the ranks sharing histories, or None.
         ``known_amax``: max|x| if the producer of x computed it (used by current scaling only)."""
         if group is not None and self.quantizer is None:
@@ -174,15 +175,10 @@ def _keep(t: torch.Tensor, direction: str) -> torch.Tensor:
 def _hp(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(t, QUANTIZED):
         return t.dequantize(dtype)
-    return t.__dtq_unwrap__().to(dtype) if hasattr(t, "__dtq_unwrap__") else t.to(dtype)
+    return unwrap(t).to(dtype)
 
 
 _HP_OVERRIDE = "the recipe's backward_override uses high-precision operands in backward"
-
-
-def _local_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A tensor-parallel (DTensor) weight's local shard: the very object FSDP2 refills."""
-    return weight._local_tensor if hasattr(weight, "_local_tensor") and hasattr(weight, "device_mesh") else weight
 
 
 def _rows_shape(x_shape: torch.Size, rows: int, n: int) -> tuple[int, ...]:
@@ -238,7 +234,7 @@ def linear_forward(call: GemmCall, x: torch.Tensor, weight: torch.Tensor, bias: 
     shape inference (the compiled path), which then runs this very code."""
     sx, sw, _ = call.slots
     override = call.override
-    wl = _local_weight(weight)
+    wl = local_tensor(weight)
     x2 = x.reshape(-1, x.shape[-1])
     gather = call.group if call.tp is not None and call.tp.gathers_input else None
     bwd_cols = override is None
@@ -259,7 +255,7 @@ def linear_forward(call: GemmCall, x: torch.Tensor, weight: torch.Tensor, bias: 
     y = gemm(Operand(xq, ROWWISE), Operand(wq, ROWWISE, transpose=True),
              torch.float32 if bias is not None else x.dtype)
     if bias is not None:
-        y = y + _local_weight(bias).to(torch.float32)
+        y = y + local_tensor(bias).to(torch.float32)
     if override is None:
         saved_x, saved_w = _keep(xq, COLUMNWISE), _keep(wq, COLUMNWISE)
     elif override == "high_precision":
@@ -341,14 +337,14 @@ class LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, x_amax, call: GemmCall):
         y, saved_x, saved_w = linear_forward(call, x, weight, bias, x_amax)
-        wl = _local_weight(weight)
+        wl = local_tensor(weight)
         flat, ctx.saved_specs = flatten_saved((saved_x, saved_w), keep=(wl,))
         ctx.save_for_backward(*flat)
         ctx.call = call
         ctx.meta = (x.shape, x.dtype, weight.dtype, bias is not None and bias.requires_grad)
         ctx.w_spec = (weight.device_mesh, weight.placements, weight.shape, weight.stride()) if wl is not weight else None
         ctx.b_spec = (bias.device_mesh, bias.placements, bias.shape, bias.stride()) \
-            if bias is not None and _local_weight(bias) is not bias else None
+            if bias is not None and local_tensor(bias) is not bias else None
         return y
 
     @staticmethod

@@ -19,7 +19,7 @@ import torch
 from dtq._library import define
 from dtq.nn import _linear_fn as lf
 from dtq.nn.gemm_state import GemmCall, GemmHandle, GemmSlots, template
-from dtq.parallel._torch_private import in_backward
+from dtq._torch_private import in_backward
 from dtq.tensor import QUANTIZED, QuantizedTensor, _implements
 
 

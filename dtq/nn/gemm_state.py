@@ -10,22 +10,36 @@ parallelism decide for that one call. ``LinearFn`` takes a ``GemmCall``."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
 import torch
 from torch._library.opaque_object import register_opaque_type
 from torch._opaque_base import OpaqueBase
 
+from dtq._torch_private import GatherContext, checkpoint_region, in_backward, inside_checkpoint_forward, local_tensor
+from dtq._warn import warn_once
 from dtq.autocast import active_amax_sync, active_recipe, autocast_active, recipe_or
-from dtq.formats import IdentityQuantizer
-from dtq.parallel._torch_private import checkpoint_region, inside_checkpoint_forward
-from dtq.tensor import QuantizedTensor, warn_once
+from dtq.distributed.gather import GatherPlan
+from dtq.distributed.tp import TPSpec
+from dtq.formats import COLUMNWISE, ROWWISE, IdentityQuantizer, Quantizer
+from dtq.tensor import QuantizedTensor
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from dtq.distributed.amax import AmaxSync
     from dtq.nn._linear_fn import Slot
-    from dtq.parallel.amax import AmaxSync
     from dtq.recipe import Recipe
+
+
+@dataclasses.dataclass(frozen=True)
+class TPLayout:
+    """How tensor parallelism splits a module's GEMMs: ``{gemm index: TPSpec}`` over ``mesh``."""
+
+    specs: Mapping[int, TPSpec]
+    mesh: DeviceMesh
 
 
 @dataclasses.dataclass
@@ -48,6 +62,67 @@ class GemmState:
     # The recipe bound by dtq.convert(model, recipe=...): forwards outside any dtq.autocast run
     # under it (an active autocast, also autocast(enabled=False), overrides it).
     default_recipe: Recipe | None = None
+    # Tensor parallelism, set by dtq.parallel's styles (or torch's, at the first DTensor input).
+    tp: TPLayout | None = None
+    # The module whose GEMMs this is (a weak reference: the FSDP2 gathers ask for its weight slots).
+    owner: weakref.ReferenceType | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def set_tensor_parallel(self, specs: Mapping[int, TPSpec], mesh: DeviceMesh) -> None:
+        """Split the module's GEMMs ``{gemm index: TPSpec}`` over the 1-D ``mesh``."""
+        if mesh.ndim != 1:
+            raise ValueError(f"dtq: tensor parallelism takes a 1-D device mesh, got {mesh.ndim} dims; pass the TP "
+                             "sub-mesh (mesh['tp'])")
+        self.tp = TPLayout(dict(specs), mesh)
+
+    def gather_plan(self, ctx: GatherContext, quantizer: Quantizer | None, have: tuple[str, ...]) -> GatherPlan:
+        """What an FSDP2 all-gather of one of the module's weights serves (dtq.distributed.gather
+        asks). ``quantizer``: a quantized parameter's own; None for a high-precision shard, which
+        is quantized with the weight slot of the recipe the gather serves."""
+        self.fsdp_gathered = True
+        recipe = self._gather_recipe(ctx)
+        if quantizer is not None:
+            return GatherPlan(quantizer, self._needed_directions(ctx, recipe, have))
+        slot = self._weight_slot(ctx.leaf_name, recipe) if recipe is not None else None
+        hp_backward = (recipe is not None and recipe.backward_override == "high_precision"
+                       and ctx.training_state == "PRE_BACKWARD")
+        if slot is None or slot.quantizer is None or hp_backward:
+            return GatherPlan(None, (ROWWISE,))
+        delayed = functools.partial(_delayed_weight_amax, ctx, slot) if slot.history is not None else None
+        return GatherPlan(slot.quantizer, self._needed_directions(ctx, recipe, have), delayed)
+
+    def _weight_slot(self, leaf: str, recipe: Recipe) -> Slot:
+        module = self.owner() if self.owner is not None else None
+        if module is None:
+            raise RuntimeError(f"dtq: FSDP2 gathers {leaf} of a dtq module that no longer exists")
+        return module.weight_slot(leaf, recipe)
+
+    def _gather_recipe(self, ctx: GatherContext) -> Recipe | None:
+        """The recipe a gather serves: in forward the one the module's forward resolves (FSDP2
+        gathers inside the module call, so inside the user's dtq.autocast, else under the recipe
+        dtq.convert bound; None means high precision); in backward, which runs outside autocast
+        and possibly on autograd's own thread, the one the module last ran."""
+        if ctx.training_state == "FORWARD":
+            return self.resolve(in_backward())  # as the module's forward resolves it
+        return active_recipe() or self.recipe
+
+    def _needed_directions(self, ctx: GatherContext, recipe: Recipe | None, have: tuple[str, ...]) -> tuple[str, ...]:
+        override = recipe.backward_override if recipe is not None else None
+        columnwise_for_backward = override is None
+        rowwise_for_backward = override is not None or self.recompute
+        state = ctx.training_state
+        if state == "FORWARD":  # (FSDP2 gathers under no_grad: grad mode says nothing here)
+            want = {ROWWISE}
+            if not ctx.reshard_after_forward:  # kept unsharded until backward: bring backward's payload too
+                want |= {COLUMNWISE} if columnwise_for_backward else {ROWWISE}
+        elif state == "PRE_BACKWARD":
+            want = ({COLUMNWISE} if columnwise_for_backward else set()) | ({ROWWISE} if rowwise_for_backward else set())
+        else:  # an explicit unshard(), state-dict gathering, ...: everything the recipe uses
+            want = {ROWWISE} | ({COLUMNWISE} if columnwise_for_backward else set())
+        dirs = tuple(d for d in (ROWWISE, COLUMNWISE) if d in want and d in have)
+        if not dirs:
+            raise RuntimeError(f"dtq: FSDP2 gathers {ctx.param_name} in state {state} and needs {sorted(want)}, but "
+                               f"the sharded parameter only holds {list(have)}; quantize it with both directions")
+        return dirs
 
     def resolve(self, replay: bool = False, *, weight: torch.Tensor | None = None, name: str = "") -> Recipe | None:
         """The recipe a forward runs under now: the innermost ``dtq.autocast``'s, else the bound
@@ -84,12 +159,13 @@ class GemmState:
         return self.amax_sync
 
     def __getstate__(self) -> dict:
-        # an AmaxSync holds a process group: neither pickled nor deep-copied (rebuilt next step)
-        return {**self.__dict__, "amax_sync": None}
+        # an AmaxSync holds a process group: neither pickled nor deep-copied (rebuilt next step);
+        # the owner is set again by the module (QuantizedModule.__setstate__)
+        return {**self.__dict__, "amax_sync": None, "owner": None}
 
     def __deepcopy__(self, memo) -> "GemmState":
         return GemmState(self.recipe, None, self.recompute, self.awaiting_recompute, self.fsdp_gathered,
-                         self.default_recipe)
+                         self.default_recipe, self.tp)
 
 
 @dataclasses.dataclass(eq=False)
@@ -200,8 +276,20 @@ class GemmCall(NamedTuple):
         return self.slots.recipe.backward_override
 
 
+def _delayed_weight_amax(ctx: GatherContext, slot: Slot, amax: dict) -> torch.Tensor:
+    """Delayed scaling: the weight's scale comes from its amax history, exactly as the module's
+    own quantization of an unsharded weight would take it. A forward gather is that quantization
+    (one per forward call: the history takes the global current amax); a backward or recompute
+    gather reuses the scale of the forward it serves."""
+    if ctx.training_state == "FORWARD" and not in_backward():
+        cur = next(iter(amax.values()))  # per-tensor: the same global max|W| for every direction
+        return slot.delayed_amax(cur, active_amax_sync())
+    used = slot.replayed_amax()
+    return used if used is not None else next(iter(amax.values()))  # no forward yet (explicit unshard)
+
+
 def _warn_without_recipe(name: str, weight: torch.Tensor) -> None:
-    local = getattr(weight, "_local_tensor", weight)  # a tensor-parallel DTensor's shard
+    local = local_tensor(weight)  # a tensor-parallel DTensor's shard
     fix = ("wrap the forward in `with dtq.autocast(recipe):` or bind a recipe with dtq.convert(model, "
            "recipe=recipe); inside dtq.autocast(enabled=False) high precision is chosen and not reported")
     if isinstance(local, QuantizedTensor) and not isinstance(local.quantizer, IdentityQuantizer):

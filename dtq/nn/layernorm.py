@@ -7,18 +7,18 @@ import torch.nn.functional as F
 
 from dtq.nn.functional import AmaxLink, swiglu
 from dtq.nn.module import QuantizedModule, init_bias, init_weight
-from dtq.parallel import tp
+from dtq.distributed import tp
 
 NORMS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "swiglu")
 
 
 class _Norm(torch.nn.Module):
-    # Under tensor parallelism (dtq.parallel styles) the parameters are replicated DTensors on
-    # this mesh; with sequence parallelism each rank normalizes its own rows, so their gradients
-    # are summed over the group.
-    _dtq_tp_mesh = None
-    _dtq_reduce_grads = False
+    # Under tensor parallelism (dtq.parallel styles, through set_tensor_parallel) the parameters
+    # are replicated DTensors on this mesh; with sequence parallelism each rank normalizes its own
+    # rows, so their gradients are summed over the group.
+    tp_mesh = None
+    tp_reduce_grads = False
 
     def __init__(self, kind: str, hidden: int, eps: float, dtype, device):
         super().__init__()
@@ -28,10 +28,15 @@ class _Norm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
         self.bias = torch.nn.Parameter(torch.zeros(hidden, dtype=dtype, device=device)) if kind == "LayerNorm" else None
 
+    def set_tensor_parallel(self, mesh, sequence_parallel: bool) -> None:
+        """Parameters replicated on ``mesh``; with ``sequence_parallel`` their gradients are summed
+        over it (each rank saw only its own rows)."""
+        self.tp_mesh, self.tp_reduce_grads = mesh, sequence_parallel
+
     def forward(self, x):
         w, b = self.weight, self.bias
-        if self._dtq_tp_mesh is not None:
-            group = self._dtq_tp_mesh.get_group() if self._dtq_reduce_grads else None
+        if self.tp_mesh is not None:
+            group = self.tp_mesh.get_group() if self.tp_reduce_grads else None
             w = tp.local_param(w, group)
             b = None if b is None else tp.local_param(b, group)
         if self.kind == "LayerNorm":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from dtq.nn.module import QuantizedModule, as_weight
+from dtq.nn.torch_tp import linear_forward
 
 
 class Linear(torch.nn.Linear, QuantizedModule):
@@ -30,8 +31,6 @@ class Linear(torch.nn.Linear, QuantizedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(x, "device_mesh"):  # a DTensor: torch's own ColwiseParallel / RowwiseParallel drive this module
-            from dtq.parallel.torch_styles import linear_forward
-
             return linear_forward(self, x)
         return self._linear(x, self.weight, self.bias)
 

@@ -7,15 +7,16 @@ import weakref
 import torch
 
 from dtq.autocast import active_recipe
-from dtq.checkpoint.state_dict import KEY_PATH, SEP, check_weight, weight_entries, weight_meta
+from dtq.nn.state_dict import KEY_PATH, SEP, check_weight, weight_entries, weight_meta
 from dtq.nn import _ops
-from dtq.nn._linear_fn import DequantizeWeight, LinearFn, Slot, _local_weight
+from dtq.nn._linear_fn import DequantizeWeight, LinearFn, Slot
 from dtq.nn.gemm_state import GemmCall, GemmHandle, GemmSlots, GemmState, template_key
-from dtq.parallel import tp
-from dtq.parallel._torch_private import in_backward
-from dtq.parallel.fsdp import HighPrecisionWeight
+from dtq.distributed import tp
+from dtq._torch_private import in_backward
+from dtq.weights import HighPrecisionWeight, local_tensor, unwrap
 from dtq.recipe import QuantizerRole, Recipe
-from dtq.tensor import QuantizedTensor, warn_once
+from dtq._warn import warn_once
+from dtq.tensor import QuantizedTensor
 
 SLOT_TYPES = ("input", "weight", "output", "grad_output", "grad_input")
 _QUANTIZED_SLOTS = ("input", "weight", "grad_output")
@@ -30,15 +31,12 @@ class QuantizedModule(torch.nn.Module):
     and ``grad_input`` have no consumer inside the module and get None."""
 
     module_type = "linear"
-    # Tensor parallelism (set by dtq.parallel's styles): {gemm index: TPSpec} and the TP mesh.
-    _dtq_tp: dict | None = None
-    _dtq_tp_mesh = None
 
     def __init__(self, name: str = ""):
         super().__init__()
         self.name = name
         self._slot_cache: dict = {}
-        self.gemm_state = GemmState()
+        self.gemm_state = GemmState(owner=weakref.ref(self))
         self._gemm_handle = GemmHandle(self)
         LIVE_MODULES.add(self)
 
@@ -178,6 +176,7 @@ class QuantizedModule(torch.nn.Module):
     def __setstate__(self, state):
         super().__setstate__(state)
         self._gemm_handle = GemmHandle(self)
+        self.gemm_state.owner = weakref.ref(self)
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemm: int = 0, *,
                 x_amax: torch.Tensor | None = None, link=None) -> torch.Tensor:
@@ -188,12 +187,13 @@ class QuantizedModule(torch.nn.Module):
         Under ``torch.compile`` this traces without a graph break: the GEMM is the custom op
         ``dtq::linear`` (``dtq.nn._ops``), which runs the eager code. Tensor-parallel GEMMs still
         run eagerly there, as a graph break."""
-        spec = self._dtq_tp.get(gemm) if self._dtq_tp else None  # set by dtq.parallel's TP styles
-        in_features = _local_weight(weight).shape[-1]
+        layout = self.gemm_state.tp  # set by dtq.parallel's TP styles
+        spec = layout.specs.get(gemm) if layout is not None else None
+        in_features = local_tensor(weight).shape[-1]
         if x.shape[-1] != in_features:
             name = f"{type(self).__name__} {self.name!r}{self.gemm_suffixes()[gemm]}"
             raise ValueError(f"{name}: input of shape {list(x.shape)} has last dim {x.shape[-1]}, but the weight "
-                             f"{list(_local_weight(weight).shape)} expects {in_features} input features"
+                             f"{list(local_tensor(weight).shape)} expects {in_features} input features"
                              + (" (this rank's tensor-parallel shard)" if spec is not None else ""))
         state = self.gemm_state
         grad = torch.is_grad_enabled()
@@ -221,8 +221,9 @@ class QuantizedModule(torch.nn.Module):
         return self._linear_eager(x, weight, bias, gemm, x_amax, link)
 
     def _linear_eager(self, x, weight, bias, gemm, x_amax, link) -> torch.Tensor:
-        spec = self._dtq_tp.get(gemm) if self._dtq_tp else None
-        group = self._dtq_tp_mesh.get_group() if spec is not None else None
+        layout = self.gemm_state.tp
+        spec = layout.specs.get(gemm) if layout is not None else None
+        group = layout.mesh.get_group() if spec is not None else None
         state = self.gemm_state
         replay = in_backward()  # a forward run by backward is a recompute (torch.utils.checkpoint)
         # autocast's recipe, else the one dtq.convert bound; a recompute runs under its forward's
@@ -238,7 +239,7 @@ class QuantizedModule(torch.nn.Module):
             y = self._high_precision_linear(x, weight, bias, spec, group)
         else:
             slots = self._slots(recipe, gemm)
-            w_local = _local_weight(weight)
+            w_local = local_tensor(weight)
             if isinstance(w_local, QuantizedTensor) and slots.sw.quantizer is not None and \
                     w_local.quantizer != slots.sw.quantizer:
                 warn_once(f"qparam-recipe:{id(self)}", f"dtq: {slots.name} holds a weight quantized as "
@@ -280,7 +281,7 @@ class QuantizedModule(torch.nn.Module):
                     buf.zero_()
         for wname in self.weight_names():
             w = getattr(self, wname)
-            data = w.__dtq_unwrap__() if hasattr(w, "__dtq_unwrap__") else w
+            data = unwrap(w)  # a DTensor stays one: its init draws the shards of one whole tensor
             if isinstance(data, QuantizedTensor) or data.device.type == "meta":
                 continue
             with torch.no_grad():
@@ -295,7 +296,7 @@ class QuantizedModule(torch.nn.Module):
 
 def as_weight(t: torch.Tensor, requires_grad: bool = True) -> torch.nn.Parameter:
     """A GEMM weight parameter: high precision, gathered quantized by FSDP2."""
-    data = t.__dtq_unwrap__() if hasattr(t, "__dtq_unwrap__") else t
+    data = unwrap(t)
     return torch.nn.Parameter(HighPrecisionWeight.wrap(data), requires_grad=requires_grad)
 
 

@@ -24,8 +24,9 @@ import torch.distributed as dist
 from dtq import _bits
 from dtq.formats import codec_for
 from dtq.formats.base import quantize_payloads
-from dtq.parallel.amax import all_reduce_max, check_column_shards
+from dtq.distributed.amax import all_reduce_max, check_column_shards
 from dtq.tensor import QuantizedTensor
+from dtq._torch_private import local_tensor
 
 
 @dataclasses.dataclass
@@ -37,9 +38,7 @@ class FlatSlice:
 
 
 def _local(p: torch.Tensor) -> QuantizedTensor:
-    from torch.distributed.tensor import DTensor
-
-    t = p._local_tensor if isinstance(p, DTensor) else p
+    t = local_tensor(p)
     if not isinstance(t, QuantizedTensor):
         raise TypeError(f"quantize_master_weights: parameter of type {type(t).__name__} is not quantized; pass "
                         "QuantizedTensor parameters (dtq.convert(..., quantized_params=True))")

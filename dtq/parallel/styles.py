@@ -26,10 +26,10 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from dtq.nn.layernorm import LayerNormLinear, LayerNormMLP, _Norm
 from dtq.nn.linear import Linear
-from dtq.parallel import comm
-from dtq.parallel.fsdp import HighPrecisionWeight
-from dtq.parallel.tp import TPSpec
-from dtq.parallel.world import check_launched_world
+from dtq.distributed import comm
+from dtq.weights import HighPrecisionWeight, unwrap
+from dtq.distributed.tp import TPSpec
+from dtq.distributed.world import check_launched_world
 from dtq.tensor import QuantizedTensor
 
 
@@ -40,7 +40,7 @@ def _distribute(module: torch.nn.Module, pname: str, mesh: DeviceMesh, placement
     p = module._parameters.get(pname)
     if p is None or isinstance(p, DTensor):
         return
-    data = p.__dtq_unwrap__() if hasattr(p, "__dtq_unwrap__") else p.data
+    data = unwrap(p.detach())
     if isinstance(data, QuantizedTensor):
         raise TypeError(f"dtq TP styles: {type(module).__name__}.{pname} is already a QuantizedTensor; apply the TP "
                         "styles to high-precision weights and quantize afterwards (dtq.convert(model, recipe=..., "
@@ -62,7 +62,7 @@ def _distribute(module: torch.nn.Module, pname: str, mesh: DeviceMesh, placement
         local = full.chunk(world, dim=placement.dim)[rank].contiguous()
     else:
         local = full
-    if isinstance(p, HighPrecisionWeight) or hasattr(p, "__dtq_unwrap__"):
+    if isinstance(p, HighPrecisionWeight):
         local = HighPrecisionWeight.wrap(local)
     dt = DTensor.from_local(local, mesh, [placement], run_check=False, shape=full.shape, stride=full.stride())
     module._parameters[pname] = torch.nn.Parameter(dt, requires_grad=p.requires_grad)
@@ -71,7 +71,7 @@ def _distribute(module: torch.nn.Module, pname: str, mesh: DeviceMesh, placement
 def _replicate_norm(norm: _Norm, mesh: DeviceMesh, sequence_parallel: bool) -> None:
     for pname in ("weight", "bias"):
         _distribute(norm, pname, mesh, Replicate())
-    norm._dtq_tp_mesh, norm._dtq_reduce_grads = mesh, sequence_parallel
+    norm.set_tensor_parallel(mesh, sequence_parallel)
 
 
 def _to_local(x, mesh: DeviceMesh, placement):
@@ -153,7 +153,7 @@ class ColwiseParallel(_DtqStyle):
         _distribute(module, "bias", device_mesh, Shard(0))
         if isinstance(module, LayerNormLinear):
             _replicate_norm(module.norm, device_mesh, self.sequence_parallel)
-        module._dtq_tp, module._dtq_tp_mesh = {0: TPSpec("column", self.sequence_parallel)}, device_mesh
+        module.gemm_state.set_tensor_parallel({0: TPSpec("column", self.sequence_parallel)}, device_mesh)
         self._hooks(module, device_mesh)
         return module
 
@@ -177,7 +177,7 @@ class RowwiseParallel(_DtqStyle):
         self._check(module)
         self._distribute_weights(module, device_mesh)
         _distribute(module, "bias", device_mesh, Replicate())
-        module._dtq_tp, module._dtq_tp_mesh = {0: TPSpec("row", self.sequence_parallel)}, device_mesh
+        module.gemm_state.set_tensor_parallel({0: TPSpec("row", self.sequence_parallel)}, device_mesh)
         self._hooks(module, device_mesh)
         return module
 
@@ -211,8 +211,8 @@ class LayerNormMLPParallel(_DtqStyle):
         _distribute(module, "fc1_bias", device_mesh, Shard(0))
         _distribute(module, "fc2_bias", device_mesh, Replicate())
         _replicate_norm(module.norm, device_mesh, self.sequence_parallel)
-        module._dtq_tp = {0: TPSpec("column", self.sequence_parallel), 1: TPSpec("row", self.sequence_parallel)}
-        module._dtq_tp_mesh = device_mesh
+        module.gemm_state.set_tensor_parallel(
+            {0: TPSpec("column", self.sequence_parallel), 1: TPSpec("row", self.sequence_parallel)}, device_mesh)
         self._hooks(module, device_mesh)
         return module
 

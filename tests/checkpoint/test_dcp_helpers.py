@@ -192,7 +192,7 @@ def test_earlier_layouts_still_load(tmp_path):
     """State dicts and DCP checkpoints written before the helpers worked: FP8 codes as FP8 under
     layout-1 keys, the quantizer itself in the extra state, MasterWeightOptimizer's
     {"inner", "masters"}."""
-    from dtq.checkpoint.state_dict import entry_key
+    from dtq.checkpoint import entry_key
 
     src, src_opt = _fresh("hybrid", True, 0)
     for p in src.parameters():
@@ -230,7 +230,7 @@ def test_earlier_layouts_still_load(tmp_path):
 def test_plain_optimizer_on_quantized_parameters_warns_once(monkeypatch):
     import dtq.tensor
 
-    monkeypatch.setattr(dtq.tensor, "_warned", set())
+    monkeypatch.setattr(dtq._warn, "_warned", set())
     recipe = dtq.Float8CurrentScaling()
     for make, expected in [(lambda ps: dtq.optim.MasterWeightOptimizer(ps, torch.optim.AdamW, lr=1e-4), 0),
                            (lambda ps: torch.optim.AdamW(ps, lr=1e-4), 1)]:

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dtq
 from dtq import kernels
-from dtq.checkpoint.state_dict import format_tag
+from dtq.nn.state_dict import format_tag
 from dtq.formats.base import codec_for
 from dtq.testing import spawn
 from tests._quantizers import E2M1, assert_payload_equal, bits, decode_e2m1, payload_rows, randn, unpack_e2m1

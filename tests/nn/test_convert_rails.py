@@ -61,9 +61,9 @@ def _same(a, b) -> bool:
 
 @pytest.fixture
 def fresh_warnings():
-    dtq_tensor._warned.clear()
+    dtq._warn._warned.clear()
     yield
-    dtq_tensor._warned.clear()
+    dtq._warn._warned.clear()
 
 
 # -- symptom 3: the recipe convert binds ---------------------------------------------------------

@@ -54,11 +54,11 @@ def test_a_one_rank_group_under_a_launchers_world_size_warns(monkeypatch):
     from torch.distributed.fsdp import fully_shard
 
     import dtq
-    from dtq import tensor
-    from dtq.parallel import world
+    from dtq import _warn
+    from dtq.distributed import world
 
     monkeypatch.setattr(world, "_checked", False)
-    monkeypatch.setattr(tensor, "_warned", set())
+    monkeypatch.setattr(_warn, "_warned", set())
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)

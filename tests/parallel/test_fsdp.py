@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import dtq
-import dtq.parallel.fsdp as fsdp_ext
+import dtq.tensor as fsdp_ext  # post_all_gather: both weight kinds' FSDP2 post-gather hook
 from dtq.testing import spawn
 
 HIDDEN, FFN, TOKENS = 256, 512, 64
@@ -302,8 +302,8 @@ def _check_amax_and_mixed_precision(rank, world):
 
     # Outside dtq.autocast there is no quantizer: the weights are gathered in high precision,
     # counted as a fall-back and warned about once.
-    dtq.parallel.comm.record_fallback  # noqa: B018 (the counter under test)
-    dtq.parallel.comm._WARNED.clear()
+    dtq.distributed.comm.record_fallback  # noqa: B018 (the counter under test)
+    dtq.distributed.comm._WARNED.clear()
     dtq.parallel.comm_stats(reset=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -1,4 +1,4 @@
-"""dtq reads a few private torch attributes (dtq/parallel/_torch_private.py). If a torch release
+"""dtq reads a few private torch attributes (dtq/_torch_private.py). If a torch release
 moves any of them, these tests fail with a message saying which one."""
 
 import torch
@@ -6,7 +6,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dtq
-from dtq.parallel import _torch_private as priv
+from dtq import _torch_private as priv
 from dtq.testing import spawn
 
 
@@ -30,7 +30,7 @@ def _check_fsdp_state(rank, world):
         return c
 
     priv.gather_context = spy
-    import dtq.parallel.fsdp as ext
+    import dtq.distributed.gather as ext
     ext.gather_context = spy
     try:
         with dtq.autocast(dtq.MXFP8BlockScaling()):

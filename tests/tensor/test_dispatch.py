@@ -30,7 +30,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def _fresh_warning_registry(monkeypatch):
     # dtq warns about a misaligned slice once per (format, direction) and process; every test that
     # expects the warning must see it regardless of test order.
-    monkeypatch.setattr(dtq_tensor, "_warned", set())
+    monkeypatch.setattr(dtq._warn, "_warned", set())
 
 
 def _tensors(t):
@@ -351,7 +351,7 @@ def test_misaligned_slice_falls_back_and_warns(q, shape, rows):
         assert torch.equal(piece, t.dequantize()[a:b])
         # split at the same boundary falls back the same way
         with pytest.warns(UserWarning, match="dequantized"):
-            dtq_tensor._warned.clear()
+            dtq._warn._warned.clear()
             pieces = t.split(b - a)
         assert all(type(p) is torch.Tensor for p in pieces)
         assert torch.equal(torch.cat(pieces), t.dequantize())

@@ -91,6 +91,25 @@ def resize_gather_buffers(ctx: GatherContext, inputs: list[torch.Tensor], world_
         ctx.fsdp_param.all_gather_outputs = []
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor, as it is (no autograd edge: parameters, state-dict entries;
+    activations use ``DTensor.to_local()``); any other tensor itself."""
+    return t._local_tensor if hasattr(t, "device_mesh") else t
+
+
+def fsdp_gather_dtype(fsdp_param) -> torch.dtype | None:
+    """The dtype FSDP2 casts a parameter's shard to for its all-gather (the ``mp_policy`` it hands
+    ``fsdp_pre_all_gather``), None for the parameter's own. ``FSDPParam.mp_policy`` is set by
+    ``fully_shard``; ``FSDPParam.param_dtype`` only at the first forward."""
+    return fsdp_param.mp_policy.param_dtype
+
+
+def fsdp_shard_group(fsdp_param):
+    """The process group a parameter is sharded over (FSDP2's shard mesh from the root; HSDP:
+    the shard dimension only)."""
+    return fsdp_param.shard_mesh_from_root.get_group()
+
+
 def inside_checkpoint_forward() -> bool:
     """True while ``torch.utils.checkpoint`` runs a forward whose activations it will recompute:
     non-reentrant (its saved-tensor hook is on top) or reentrant (forward under no_grad)."""

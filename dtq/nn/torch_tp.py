@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from dtq.parallel.tp import TPSpec
+from dtq.distributed.tp import TPSpec
 
 
 def _is_shard(placement, dim: int, ndim: int) -> bool:
@@ -38,10 +38,11 @@ def linear_forward(module: torch.nn.Module, x: DTensor) -> DTensor:
         want = "Replicate()" if kind == "column" else "Shard(-1)"
         raise ValueError(f"dtq: {name} is {kind}-parallel and takes an input DTensor placed {want} on its weight's "
                          f"mesh, got placements {tuple(x.placements)}")
-    if module._dtq_tp is None:  # first call: run as dtq's styles would have set it up
-        module._dtq_tp, module._dtq_tp_mesh = {0: TPSpec(kind)}, mesh
-    elif module._dtq_tp != {0: TPSpec(kind)} or module._dtq_tp_mesh != mesh:
-        raise ValueError(f"dtq: {name} was parallelized as {module._dtq_tp} and now gets a {kind}-parallel DTensor "
+    tp = module.gemm_state.tp
+    if tp is None:  # first call: run as dtq's styles would have set it up
+        module.gemm_state.set_tensor_parallel({0: TPSpec(kind)}, mesh)
+    elif dict(tp.specs) != {0: TPSpec(kind)} or tp.mesh != mesh:
+        raise ValueError(f"dtq: {name} was parallelized as {dict(tp.specs)} and now gets a {kind}-parallel DTensor "
                          "input; apply one tensor-parallel style per module")
     y = module._linear(x.to_local(), weight, module.bias)
     return DTensor.from_local(y, mesh, [Shard(y.ndim - 1) if kind == "column" else Replicate()], run_check=False)

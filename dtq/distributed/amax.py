@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dtq.formats import DIRECTIONS, Quantizer, codec_for
-from dtq.parallel import _torch_private
+from dtq import _torch_private
 
 
 class AmaxSync:

@@ -12,7 +12,7 @@ import os
 
 import torch.distributed as dist
 
-from dtq.tensor import warn_once
+from dtq._warn import warn_once
 
 _checked = False
 

@@ -1,0 +1,298 @@
+"""The mechanics of dtq's FSDP2 all-gather extensions, for both parameter modes.
+
+* high-precision shards (default): a dtq module's GEMM weight is a ``HighPrecisionWeight``
+  (:mod:`dtq.weights`); its ``fsdp_pre_all_gather`` quantizes the local shard with the module's
+  current weight quantizer and a global amax (precomputed by ``dtq.parallel.precompute_amax``, or
+  reduced on the spot);
+* quantized parameters: the sharded parameter is a ``QuantizedTensor`` and its stored payloads
+  are gathered as they are.
+
+Either way the all-gather inputs are the row-structured payload fields of the directions this
+gather needs; per-tensor fields (one global scale) travel in the metadata. The unsharded
+parameter is a ``QuantizedTensor`` whose payloads are views of the gathered buffers
+(:func:`gathered_payloads`; the tensor layer wraps them).
+
+What a gather serves (recipe, quantizer, directions) is the module's decision, not this layer's:
+the hooks ask ``module.gemm_state`` through :class:`GatherPlanner`. Directions: a forward gather
+with ``reshard_after_forward=True`` moves rowwise payloads only and the backward gather
+columnwise only (both when the module will be recomputed); with ``False`` the forward gather
+moves both once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple, Protocol
+
+import torch
+
+from dtq._bits import as_bytes
+from dtq._torch_private import GatherContext, gather_context, resize_gather_buffers
+from dtq._warn import warn_once
+from dtq.distributed import comm
+from dtq.distributed.amax import reduce_over_shards
+from dtq.distributed.world import check_launched_world
+from dtq.formats import COLUMNWISE, DIRECTIONS, ROWWISE, IdentityQuantizer, Quantizer, codec_for
+from dtq.formats.base import quantize_payloads, shape_2d
+
+
+class GatherPlan(NamedTuple):
+    """What one gather of one weight serves: the quantizer (None: the weight goes high precision,
+    counted as a fall-back), the directions to move, and for delayed scaling the function that
+    turns the global current amax into the amax the weight is quantized with."""
+
+    quantizer: Quantizer | None
+    directions: tuple[str, ...]
+    weight_amax: Callable[[dict], torch.Tensor] | None = None
+
+
+class GatherPlanner(Protocol):
+    """``module.gemm_state`` of the module FSDP2 hands to the hooks (``dtq.nn.gemm_state.GemmState``)."""
+
+    def gather_plan(self, ctx: GatherContext, quantizer: Quantizer | None,
+                    have: tuple[str, ...]) -> GatherPlan: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class _GatherMeta:
+    quantizer: Quantizer
+    directions: tuple[str, ...]
+    layout: tuple[tuple[str, str], ...]  # (direction, field) of each all-gather input
+    shared: dict  # (direction, field) -> per-tensor tensor, identical on every rank
+    full_shape: torch.Size
+    aliases: dict  # direction -> the gathered direction whose payload it is bitwise
+    param_name: str
+    packed: tuple | None = None  # (world, [(dtype, padded shard shape, rows per entry)]) when packed
+    dtypes: tuple = ()  # each unpacked input's payload dtype (1-byte floats travel as uint8)
+
+
+def _check_supported(ctx: GatherContext) -> None:
+    if ctx.post_forward_mesh:
+        raise ValueError(
+            f"dtq: {ctx.param_name} belongs to the FSDP2 module {ctx.module_name or '<root>'!r}, sharded with "
+            "fully_shard(..., reshard_after_forward=<int>): FSDP2 would re-shard the gathered quantized payloads "
+            "over a smaller group after forward, which dtq's all-gather extensions do not support. Use "
+            "reshard_after_forward=True (reshard over the whole group) or False (keep the weight gathered until "
+            "backward) for modules holding dtq weights")
+
+
+def _padded_rows(full_shape, world: int) -> int:
+    return -(-full_shape[0] // world)  # torch.chunk's shard size: every shard but the last
+
+
+def _rows_per_index(full_shape) -> int:
+    return shape_2d(full_shape)[0] // max(full_shape[0], 1) if len(full_shape) > 1 else 1
+
+
+def _check_alignment(ctx: GatherContext, quantizer: Quantizer, dirs, full_shape, world: int):
+    """docs/design.md §5.4: a gathered direction's dim-0 blocks must not straddle two shards."""
+    shard_rows = _padded_rows(full_shape, world)
+    for d in dirs:
+        need = quantizer.block_rows(d)
+        if world > 1 and (shard_rows * _rows_per_index(full_shape)) % need:
+            raise ValueError(
+                f"dtq: cannot all-gather {ctx.param_name} (shape {list(full_shape)}) as {quantizer.for_direction(d).format_name} "
+                f"{d} payloads over {world} FSDP ranks: each shard has {shard_rows} rows but {d} blocks span {need} "
+                f"rows, so a block would be split across ranks. Use a shard count that makes dim 0 / world size a "
+                f"multiple of {need}, a format with smaller {d} blocks for this parameter, or keep its layer out of "
+                f"dtq.convert (dtq.convert(model, recipe=..., fsdp_world={world}) skips and reports such layers)")
+
+
+def _split(quantizer: Quantizer, payloads: dict, dirs) -> tuple[list[torch.Tensor], tuple, dict]:
+    inputs, layout, shared = [], [], {}
+    for d in dirs:
+        sub = quantizer.for_direction(d)
+        for field, rows in codec_for(sub).fields(sub, d).items():
+            t = payloads[d][field]
+            if rows is None:
+                shared[(d, field)] = t
+            else:
+                inputs.append(t.contiguous())
+                layout.append((d, field))
+    return inputs, tuple(layout), shared
+
+
+def _record(quantizer: Quantizer, layout, fields, world: int, moved_bytes: int) -> None:
+    """Bytes all-gathered per direction; any packing slack is charged to the first direction."""
+    per_dir: dict[str, int] = {}
+    for (d, _), t in zip(layout, fields):
+        per_dir[d] = per_dir.get(d, 0) + t.numel() * t.element_size() * world
+    if per_dir:
+        first = next(iter(per_dir))
+        per_dir[first] += moved_bytes - sum(per_dir.values())
+    for d, n in per_dir.items():
+        comm.record(quantizer.for_direction(d).format_name, d, n)
+
+
+def _pack(inputs: list[torch.Tensor], shape) -> torch.Tensor:
+    """All fields' bytes in one all-gather input: flat, or (for FSDP2's uneven-shard rule that
+    every input has the padded parameter-shard shape) in a container of that shape whose dtype
+    is the narrowest that holds them."""
+    flat = torch.cat([t.contiguous().view(torch.uint8).reshape(-1) for t in inputs])
+    if shape is None:
+        return flat
+    n = max(1, torch.Size(shape).numel())
+    itemsize = next((i for i in (1, 2, 4, 8) if i * n >= flat.numel()), None)
+    if itemsize is None:
+        raise RuntimeError(f"dtq: {flat.numel()} payload bytes do not fit an all-gather input of shape {list(shape)}")
+    buf = torch.zeros(n * itemsize, dtype=torch.uint8, device=flat.device)
+    buf[:flat.numel()] = flat
+    return buf.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]).view(shape)
+
+
+def _unpack(output: torch.Tensor, meta: _GatherMeta) -> list[torch.Tensor]:
+    world, specs = meta.packed
+    per_rank = output.contiguous().view(torch.uint8).reshape(world, -1)
+    full_rows = shape_2d(meta.full_shape)[0]
+    pad_rows = _padded_rows(meta.full_shape, world) * _rows_per_index(meta.full_shape)
+    fields = []
+    offset = 0
+    for dtype, shape, rows_per_entry in specs:
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        pieces = []
+        for r in range(world):
+            valid = max(0, min(pad_rows, full_rows - r * pad_rows))  # payload rows this rank really has
+            t = per_rank[r, offset:offset + nbytes].view(dtype).view(shape)
+            pieces.append(t[:-(-valid // rows_per_entry)])
+        fields.append(torch.cat(pieces))
+        offset += nbytes
+    return fields
+
+
+def gathered_payloads(outputs, meta: _GatherMeta) -> dict[str, dict]:
+    """The unsharded parameter's payloads: views of the all-gather outputs, with the per-tensor
+    fields from the metadata and aliased directions sharing their twin's tensors."""
+    if meta.packed is not None:
+        outputs = _unpack(outputs[0], meta)
+    payloads: dict[str, dict] = {d: {} for d in meta.directions}
+    for (d, field), t, dtype in zip(meta.layout, outputs, meta.dtypes or [None] * len(meta.layout)):
+        payloads[d][field] = t.view(dtype) if dtype is not None and t.dtype != dtype else t
+    for (d, field), t in meta.shared.items():
+        payloads[d][field] = t
+    for d, src in meta.aliases.items():
+        payloads[d] = dict(payloads[src])
+    return payloads
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    out = t.new_zeros((rows, *t.shape[1:]))
+    out[:t.shape[0]] = t
+    return out
+
+
+def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, fallback: bool = False):
+    aliases = quantizer.aliases(tuple(dirs))
+    moved = tuple(d for d in dirs if d not in aliases)
+    inputs, layout, shared = _split(quantizer, payloads, moved)
+    fields = inputs
+    packed = None
+    uneven = full_shape[0] % world != 0
+    if world == 1 or uneven:
+        # FSDP2's single-rank shortcut copies only the first all-gather input, and with uneven
+        # shards it wants every input in the padded shard's shape: pack all fields into one.
+        pad_rows = _padded_rows(full_shape, world) * _rows_per_index(full_shape)
+        specs, padded = [], []
+        for (d, field), t in zip(layout, inputs):
+            sub = quantizer.for_direction(d)
+            rows_per_entry = codec_for(sub).fields(sub, d)[field]
+            t = _pad_rows(t, -(-pad_rows // rows_per_entry))
+            specs.append((t.dtype, tuple(t.shape), rows_per_entry))
+            padded.append(t)
+        fields = padded
+        shard_shape = (_padded_rows(full_shape, world), *full_shape[1:]) if uneven else None
+        inputs = [_pack(padded, shard_shape)]
+        packed = (world, specs)
+    dtypes = ()
+    if packed is None:
+        # FP8 codes travel as bytes: a group whose inputs are all FP8 would get an FP8 all-gather
+        # buffer, which gloo (and any backend without FP8 collectives) rejects.
+        dtypes = tuple(t.dtype for t in inputs)
+        inputs = [as_bytes(t) for t in inputs]
+    resize_gather_buffers(ctx, inputs, world)
+    if fallback:
+        dtype = payloads[dirs[0]]["data"].dtype
+        comm.record_fallback(dtype, sum(t.numel() * t.element_size() for t in inputs) * world, ctx.param_name,
+                             "no dtq recipe is active for its module (run the step under dtq.autocast) or the "
+                             "recipe asks for the high-precision weight in backward")
+    else:
+        _record(quantizer, layout, fields, world, sum(t.numel() * t.element_size() for t in inputs) * world)
+    return tuple(inputs), _GatherMeta(quantizer, dirs, layout, shared, torch.Size(full_shape), aliases, ctx.param_name,
+                                      packed, dtypes)
+
+
+def high_precision_pre_all_gather(weight: torch.Tensor, data: torch.Tensor, mesh, outer_size, module, mp_policy):
+    """``HighPrecisionWeight.fsdp_pre_all_gather``: quantize this rank's shard ``data`` of
+    ``weight`` as the module's plan says, with the global amax."""
+    ctx = gather_context(weight)
+    _check_supported(ctx)
+    check_launched_world()
+    world = mesh.size()
+    param_dtype = mp_policy.param_dtype or weight.dtype
+    shard = data.detach().to(param_dtype)
+    plan = _planner(module, ctx).gather_plan(ctx, None, DIRECTIONS)
+    quantizer, dirs = plan.quantizer, plan.directions
+    fallback = quantizer is None
+    if fallback:
+        quantizer = IdentityQuantizer()
+        payloads = quantize_payloads(quantizer, shard, dirs)
+    else:
+        _check_alignment(ctx, quantizer, dirs, outer_size, world)
+        amax = _global_amax(weight, data, quantizer, shard, mesh, ctx.param_name, dirs)
+        if plan.weight_amax is not None:
+            amax = plan.weight_amax(amax)
+        payloads = quantize_payloads(quantizer, shard, dirs, amax=amax)
+    return _finish(ctx, quantizer, dirs, payloads, outer_size, world, fallback)
+
+
+def quantized_pre_all_gather(weight: torch.Tensor, quantizer: Quantizer, payloads: dict, mesh, outer_size, module):
+    """``QuantizedTensor.fsdp_pre_all_gather``: the stored ``payloads`` of the directions the
+    module's plan needs, as they are."""
+    ctx = gather_context(weight)
+    _check_supported(ctx)
+    check_launched_world()
+    world = mesh.size()
+    dirs = _planner(module, ctx).gather_plan(ctx, quantizer, tuple(payloads)).directions
+    _check_alignment(ctx, quantizer, dirs, outer_size, world)
+    return _finish(ctx, quantizer, dirs, {d: payloads[d] for d in dirs}, outer_size, world)
+
+
+def _planner(module, ctx: GatherContext) -> GatherPlanner:
+    state = getattr(module, "gemm_state", None)
+    if state is None:
+        raise TypeError(f"dtq: FSDP2 gathers {ctx.param_name}, a dtq weight held by {type(module).__name__}, which is "
+                        "not a dtq module (no gemm_state says which recipe its GEMMs run); keep dtq weights in dtq "
+                        "modules (dtq.convert puts them there)")
+    return state
+
+
+def amax_key(weight: torch.Tensor, data: torch.Tensor, quantizer: Quantizer, dtype: torch.dtype) -> tuple:
+    """What a cached global amax is valid for: this shard's values (an in-place op through the
+    wrapper, FSDP2's DTensor included, bumps the wrapper's counter; one on the unwrapped data
+    bumps the data's), the quantizer and the dtype the gather casts to. ``weight`` is the
+    ``HighPrecisionWeight`` (which keeps the cache), ``data`` the plain tensor it wraps."""
+    return (weight._version, data._version, quantizer, dtype)
+
+
+def _global_amax(local: torch.Tensor, data: torch.Tensor, quantizer: Quantizer, shard: torch.Tensor, mesh, name: str,
+                 dirs):
+    key = amax_key(local, data, quantizer, shard.dtype)
+    cached = local.cached_amax(key)
+    if cached is not None and set(dirs) <= set(cached) | {
+            d for d in dirs if not codec_for(quantizer.for_direction(d)).needs_amax(quantizer.for_direction(d), d)}:
+        return cached
+    try:  # both directions at once, so the backward gather reuses this reduction
+        amax = quantizer.local_amax(shard)
+    except ValueError:  # a direction this shard cannot hold (it is not gathered either)
+        amax = quantizer.local_amax(shard, rowwise=ROWWISE in dirs, columnwise=COLUMNWISE in dirs)
+    if amax and mesh.size() > 1:
+        warn_once("fsdp-amax-on-the-fly",
+                  f"dtq: reducing the amax of {name} (and of every parameter like it) in its own all-reduce during "
+                  "the FSDP2 all-gather; call dtq.parallel.precompute_amax(model) after optimizer.step() to do "
+                  "all of them in one batched all-reduce")
+        amax = reduce_over_shards(amax, mesh.get_group())
+    local.remember_amax(key, amax)
+    return amax
+
+

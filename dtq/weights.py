@@ -1,0 +1,160 @@
+"""GEMM weights as parameters: :class:`HighPrecisionWeight` (a high-precision weight whose FSDP2
+all-gather moves quantized payloads) and :func:`local_data`, the one way dtq unwraps a parameter
+(DTensor shard, HighPrecisionWeight) to the tensor that holds its values."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch.utils._pytree import tree_map
+
+from dtq import tensor
+from dtq._torch_private import local_tensor
+from dtq.distributed import gather
+from dtq.formats import HybridQuantizer, registered_quantizers
+
+aten = torch.ops.aten
+
+
+def _map1(fn, x):
+    """``fn`` over ``x`` or, for a list / tuple, over its items (the nesting aten arguments have);
+    deeper structures go through pytree."""
+    if isinstance(x, (list, tuple)):
+        if any(isinstance(e, (list, tuple, dict)) for e in x):
+            return tree_map(fn, x)
+        return type(x)(fn(e) for e in x) if type(x) in (list, tuple) else tree_map(fn, x)
+    if isinstance(x, dict):
+        return tree_map(fn, x)
+    return fn(x)
+
+
+def _map(fn, args: tuple) -> tuple:
+    return tuple(_map1(fn, a) for a in args)
+
+
+_WRITTEN: dict = {}  # op -> (positions, names) of the arguments it writes
+
+
+def _bump_written(func, args: tuple, kwargs: dict | None) -> None:
+    """Advance the version counter of every HighPrecisionWeight ``func`` wrote. An op reaching a
+    wrapper through another subclass (an optimizer step on FSDP2's DTensor parameter) runs below
+    autograd, where torch bumps only the outer tensor's counter; the amax cache keys on this one."""
+    where = _WRITTEN.get(func)
+    if where is None:
+        written = [(i, a.name) for i, a in enumerate(func._schema.arguments)
+                   if a.alias_info is not None and a.alias_info.is_write]
+        where = _WRITTEN[func] = tuple(written)
+    for i, name in where:
+        arg = args[i] if i < len(args) else (kwargs or {}).get(name)
+        for t in (arg if isinstance(arg, (list, tuple)) else (arg,)):
+            if isinstance(t, HighPrecisionWeight):
+                torch.autograd.graph.increment_version(t)
+
+
+class HighPrecisionWeight(torch.Tensor):
+    """A GEMM weight kept in high precision whose FSDP2 all-gather moves quantized payloads.
+
+    A wrapper subclass around the real data (``_data``): the view and copy ops FSDP2 applies to a
+    parameter (detach, chunk/split, slice, view, new_zeros, copy_, ...) keep the class and with it
+    the all-gather hooks; every other op runs on the plain data and returns plain tensors."""
+
+    _KEEP = {
+        aten.detach.default, aten.alias.default, aten.view.default, aten._unsafe_view.default,
+        aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.as_strided.default,
+        aten.new_zeros.default, aten.new_empty.default, aten.new_empty_strided.default, aten.empty_like.default,
+        aten.zeros_like.default, aten.clone.default, aten._to_copy.default, aten._pin_memory.default,
+        aten.t.default,
+    }
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, requires_grad: bool = False):
+        self = torch.Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(),
+                                                   storage_offset=data.storage_offset(), dtype=data.dtype,
+                                                   device=data.device, layout=data.layout, requires_grad=requires_grad)
+        self._data = data
+        self._amax_cache = None
+        return self
+
+    @staticmethod
+    def wrap(t: torch.Tensor) -> "HighPrecisionWeight":
+        return HighPrecisionWeight(t.detach())
+
+    def __dtq_unwrap__(self) -> torch.Tensor:  # how dtq.formats (below this module) unwraps it for quantize()
+        return self._data
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f"HighPrecisionWeight({self._data!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # Every op on a parameter (the optimizer's, autograd's accumulation, FSDP2's) passes here,
+        # so this is on the host's critical path: aten arguments nest at most one level (tensor
+        # lists of foreach ops), which _map walks without pytree.
+        wrappers = {}
+
+        def unwrap(t):
+            if isinstance(t, HighPrecisionWeight):
+                wrappers[id(t._data)] = t
+                return t._data
+            return t
+
+        out = func(*_map(unwrap, args), **{k: _map1(unwrap, v) for k, v in (kwargs or {}).items()})
+        if wrappers:
+            if func._schema.is_mutable:
+                _bump_written(func, args, kwargs)
+            # In-place ops hand back their (unwrapped) argument: give the wrapper back instead.
+            out = _map1(lambda t: wrappers.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
+        if func in cls._KEEP:
+            return _map1(lambda t: HighPrecisionWeight(t) if type(t) is torch.Tensor else t, out)
+        return out
+
+    def __reduce_ex__(self, protocol):
+        return (HighPrecisionWeight, (self._data, self.requires_grad))
+
+    # Traceable-wrapper-subclass protocol: lets nn.Module.to()/.double()/.cuda() swap the whole
+    # tensor instead of assigning .data behind the wrapper's back.
+    def __tensor_flatten__(self):
+        return ["_data"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return HighPrecisionWeight(inner["_data"])
+
+    # -- the global-amax cache of FSDP2 gathers (dtq.distributed.gather, dtq.parallel.precompute_amax)
+    def cached_amax(self, key: tuple) -> dict | None:
+        """The global amaxes remembered under ``key`` (see ``dtq.distributed.gather.amax_key``), or None."""
+        cached = self._amax_cache
+        return cached[1] if cached is not None and cached[0] == key else None
+
+    def remember_amax(self, key: tuple, amax: dict) -> None:
+        self._amax_cache = (key, amax)
+
+    # -- FSDP2 all-gather extension ---------------------------------------------------------------
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return gather.high_precision_pre_all_gather(self, self._data, mesh, outer_size, module, mp_policy)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        return tensor.post_all_gather(all_gather_outputs, metadata, param_dtype, out)
+
+
+# FSDP2 reads the hook's signature on every gather: precomputed, as for QuantizedTensor's.
+HighPrecisionWeight.fsdp_pre_all_gather.__signature__ = inspect.signature(HighPrecisionWeight.fsdp_pre_all_gather)
+
+
+def unwrap(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor inside a :class:`HighPrecisionWeight`; any other tensor itself."""
+    return t._data if isinstance(t, HighPrecisionWeight) else t
+
+
+def local_data(p: torch.Tensor) -> torch.Tensor:
+    """The tensor holding parameter ``p``'s values on this rank: a DTensor's local shard, unwrapped
+    from a :class:`HighPrecisionWeight` (a QuantizedTensor stays one)."""
+    return unwrap(local_tensor(p))
+
+
+def quantized_safe_globals() -> list:
+    """Classes that ``torch.load(weights_only=True)`` must accept to rebuild dtq weights."""
+    return [*tensor.SAFE_GLOBALS, HybridQuantizer, HighPrecisionWeight,
+            *registered_quantizers()]
