@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1] / "dtq"
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "dtq"
 
 # Lowest first. A module belongs to the longest prefix listed; modules of one layer may import
 # each other (without a cycle).
