@@ -3,7 +3,7 @@
 FSDP2 tells an all-gather extension which module owns the parameter but not *why* it gathers;
 direction-aware gathers need the parameter group's training state (FORWARD vs PRE_BACKWARD) and
 ``reshard_after_forward``, and, because FSDP2 sizes its all-gather buffers once, a way to let them
-be re-sized when the gathered directions change. ``tests/test_torch_private.py`` fails loudly if
+be re-sized when the gathered directions change. ``tests/parallel/test_torch_private.py`` fails loudly if
 a torch release moves any of this.
 """
 
