@@ -35,8 +35,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import dtq  # noqa: E402
 from bench_layers import recipes  # noqa: E402
+
+import dtq  # noqa: E402
 
 
 class Layer(torch.nn.Module):
@@ -87,9 +88,14 @@ def torchao_variants(base: Stack) -> dict:
         print(f"torchao not importable ({e}); skipping the torchao rows")
         return {}
     out = {}
-    for label, cfg in (("tensorwise", Float8LinearConfig()), ("rowwise", Float8LinearConfig.from_recipe_name("rowwise"))):
+    for label, cfg in (
+        ("tensorwise", Float8LinearConfig()),
+        ("rowwise", Float8LinearConfig.from_recipe_name("rowwise")),
+    ):
         out[f"torchao float8 {label} compiled"] = (
-            lambda cfg=cfg: compile_blocks(convert_to_float8_training(copy.deepcopy(base), config=cfg)), None)
+            lambda cfg=cfg: compile_blocks(convert_to_float8_training(copy.deepcopy(base), config=cfg)),
+            None,
+        )
     return out
 
 
@@ -153,8 +159,13 @@ def commit() -> str:
     if os.environ.get("DTQ_COMMIT"):
         return os.environ["DTQ_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -173,8 +184,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--inner", type=int, default=5)
-    p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="also print each variant's N most expensive GPU kernels")
+    p.add_argument(
+        "--profile", type=int, default=0, metavar="N", help="also print each variant's N most expensive GPU kernels"
+    )
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default="")
     args = p.parse_args()
@@ -185,12 +197,19 @@ def main() -> None:
     chosen = recipes() if args.recipes is None else {k: recipes()[k] for k in args.recipes}
     try:
         import torchao
+
         ao_version = torchao.__version__
     except ImportError:
         ao_version = "absent"
-    header = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-              "torchao": ao_version, "commit": commit(), "date": datetime.date.today().isoformat(),
-              "batch": args.batch, "seq": args.seq}
+    header = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "torchao": ao_version,
+        "commit": commit(),
+        "date": datetime.date.today().isoformat(),
+        "batch": args.batch,
+        "seq": args.seq,
+    }
     print(" | ".join(f"{k} {v}" for k, v in header.items()), flush=True)
     results = []
     for hidden in args.hidden:
@@ -224,8 +243,10 @@ def main() -> None:
         ref_c = rows.get("bf16 compiled", {}).get("ms")
         ao = rows.get("torchao float8 tensorwise compiled", {}).get("ms")
         print(f"\nhidden {hidden}, {layers} layers, {tokens} tokens/step")
-        print(f"{'variant':40s} {'ms/step':>8s} {'tok/s':>10s} {'vs bf16':>8s} {'vs bf16 c':>9s} {'vs ao tw':>8s} "
-              f"{'GiB':>6s}")
+        print(
+            f"{'variant':40s} {'ms/step':>8s} {'tok/s':>10s} {'vs bf16':>8s} {'vs bf16 c':>9s} {'vs ao tw':>8s} "
+            f"{'GiB':>6s}"
+        )
         for name, r in rows.items():
             results.append({"hidden": hidden, "layers": layers, "tokens": tokens, "variant": name, **r})
             if "error" in r:
@@ -235,8 +256,11 @@ def main() -> None:
 
             def ratio(other):
                 return f"{other / ms:.2f}x" if other else "-"
-            print(f"{name:40s} {ms:8.2f} {tokens / ms * 1e3:10.0f} {ratio(ref):>8s} {ratio(ref_c):>9s} "
-                  f"{ratio(ao) if name.startswith('dtq') else '':>8s} {r['peak_gib']:6.1f}")
+
+            print(
+                f"{name:40s} {ms:8.2f} {tokens / ms * 1e3:10.0f} {ratio(ref):>8s} {ratio(ref_c):>9s} "
+                f"{ratio(ao) if name.startswith('dtq') else '':>8s} {r['peak_gib']:6.1f}"
+            )
             results[-1].update({"tokens_per_s": tokens / ms * 1e3, "vs_bf16": ref / ms if ref else None})
     if args.out:
         Path(args.out).write_text(json.dumps({"header": header, "rows": results}, indent=1))

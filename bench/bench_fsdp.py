@@ -59,8 +59,11 @@ def build(args, mode: str):
     model = model.to(torch.bfloat16)
     recipe, opt = None, None
     if mode.startswith("dtq"):
-        recipe = (dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling()) if "hybrid" in mode
-                  else dtq.Float8CurrentScaling())
+        recipe = (
+            dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling())
+            if "hybrid" in mode
+            else dtq.Float8CurrentScaling()
+        )
         quantized = "quantized params" in mode
         dtq.convert(model, recipe=recipe if quantized else None, quantized_params=quantized)
     elif mode == "torchao float8":
@@ -95,8 +98,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--modes", default="bf16,dtq fp8 (hp shards),dtq fp8 (quantized params),"
-                                      "dtq hybrid (quantized params),torchao float8")
+    p.add_argument(
+        "--modes",
+        default="bf16,dtq fp8 (hp shards),dtq fp8 (quantized params),dtq hybrid (quantized params),torchao float8",
+    )
     p.add_argument("--out", default="")
     args = p.parse_args()
     dist.init_process_group("nccl")
@@ -130,18 +135,26 @@ def main() -> None:
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
             counted, moved = args.steps - args.steps // 2, counter.take()
-            step_s = statistics.median(times[args.steps // 2:])
-            row = {"mode": mode, "world": world, "params": n_params, "step_ms": step_s * 1e3,
-                   "tokens_per_s": world * args.batch * args.seq / step_s,
-                   "all_gather_mb_per_step": moved.get("all_gathered", 0) / counted / 1e6,
-                   "reduce_scatter_mb_per_step": moved.get("reduce_scattered", 0) / counted / 1e6,
-                   "dtq_comm_stats_mb_per_step": {k: v / counted / 1e6 for k, v in dtq.parallel.comm_stats().items()},
-                   "peak_mem_mib": torch.cuda.max_memory_allocated() / 2**20}
+            step_s = statistics.median(times[args.steps // 2 :])
+            row = {
+                "mode": mode,
+                "world": world,
+                "params": n_params,
+                "step_ms": step_s * 1e3,
+                "tokens_per_s": world * args.batch * args.seq / step_s,
+                "all_gather_mb_per_step": moved.get("all_gathered", 0) / counted / 1e6,
+                "reduce_scatter_mb_per_step": moved.get("reduce_scattered", 0) / counted / 1e6,
+                "dtq_comm_stats_mb_per_step": {k: v / counted / 1e6 for k, v in dtq.parallel.comm_stats().items()},
+                "peak_mem_mib": torch.cuda.max_memory_allocated() / 2**20,
+            }
             results.append(row)
             if rank == 0:
-                print(f"{mode:32s} {row['step_ms']:8.1f} ms/step  {row['tokens_per_s']:10,.0f} tok/s  "
-                      f"AG {row['all_gather_mb_per_step']:8.1f} MB  RS {row['reduce_scatter_mb_per_step']:8.1f} MB  "
-                      f"peak {row['peak_mem_mib']:7.0f} MiB", flush=True)
+                print(
+                    f"{mode:32s} {row['step_ms']:8.1f} ms/step  {row['tokens_per_s']:10,.0f} tok/s  "
+                    f"AG {row['all_gather_mb_per_step']:8.1f} MB  RS {row['reduce_scatter_mb_per_step']:8.1f} MB  "
+                    f"peak {row['peak_mem_mib']:7.0f} MiB",
+                    flush=True,
+                )
             del model, opt
             torch.cuda.empty_cache()
     if rank == 0 and results:
@@ -153,10 +166,20 @@ def main() -> None:
         for r in results:
             print(f"  {r['mode']:32s} step {r['step_vs_first']:.2f}x  all-gather bytes {r['all_gather_vs_first']:.2f}x")
         if args.out:
-            commit = os.environ.get("DTQ_COMMIT") or subprocess.run(  # the device's copy may carry a stale .git
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
-            meta = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "torch": torch.__version__,
-                    "device": torch.cuda.get_device_name(), "world": world, **vars(args)}
+            commit = (
+                os.environ.get("DTQ_COMMIT")
+                or subprocess.run(  # the device's copy may carry a stale .git
+                    ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+                ).stdout.strip()
+            )
+            meta = {
+                "date": time.strftime("%Y-%m-%d"),
+                "commit": commit,
+                "torch": torch.__version__,
+                "device": torch.cuda.get_device_name(),
+                "world": world,
+                **vars(args),
+            }
             with open(args.out, "w") as f:
                 json.dump({"meta": meta, "rows": results}, f, indent=1)
     dist.destroy_process_group()

@@ -55,15 +55,28 @@ CONFIGS = [
     ("nvfp4_row_scaled", dtq.NVFP4Quantizer(row_scaled=True), ("r", "rc")),
     ("nvfp4_4over6", dtq.NVFP4Quantizer(four_over_six=True, e4m3_max=256), ("r", "c", "rc")),
     ("nvfp4_16x16_4over6", dtq.NVFP4Quantizer((16, 16), four_over_six=True, e4m3_max=256), ("rc",)),
-    ("nvfp4_sr_rht_4over6", dtq.NVFP4Quantizer(stochastic_rounding=True, random_hadamard=True, four_over_six=True),
-     ("rc",)),
+    (
+        "nvfp4_sr_rht_4over6",
+        dtq.NVFP4Quantizer(stochastic_rounding=True, random_hadamard=True, four_over_six=True),
+        ("rc",),
+    ),
     ("identity", dtq.IdentityQuantizer(), ("rc",)),
-    ("hyb mxfp8/nvfp4_sr_rht", H(rowwise=dtq.MXFP8Quantizer(),
-                                  columnwise=dtq.NVFP4Quantizer(stochastic_rounding=True, random_hadamard=True)), ("rc",)),
-    ("hyb fp8b_1x128/nvfp4_16x16", H(rowwise=dtq.Float8BlockQuantizer(), columnwise=dtq.NVFP4Quantizer((16, 16))), ("rc",)),
+    (
+        "hyb mxfp8/nvfp4_sr_rht",
+        H(rowwise=dtq.MXFP8Quantizer(), columnwise=dtq.NVFP4Quantizer(stochastic_rounding=True, random_hadamard=True)),
+        ("rc",),
+    ),
+    (
+        "hyb fp8b_1x128/nvfp4_16x16",
+        H(rowwise=dtq.Float8BlockQuantizer(), columnwise=dtq.NVFP4Quantizer((16, 16))),
+        ("rc",),
+    ),
     ("hyb mxfp8/fp8b_1x128", H(rowwise=dtq.MXFP8Quantizer(), columnwise=dtq.Float8BlockQuantizer()), ("rc",)),
-    ("hyb fp8b_1x128/fp8b_128x128", H(rowwise=dtq.Float8BlockQuantizer(),
-                                       columnwise=dtq.Float8BlockQuantizer((128, 128))), ("rc",)),
+    (
+        "hyb fp8b_1x128/fp8b_128x128",
+        H(rowwise=dtq.Float8BlockQuantizer(), columnwise=dtq.Float8BlockQuantizer((128, 128))),
+        ("rc",),
+    ),
 ]
 K = 4096
 
@@ -99,7 +112,7 @@ def copy_ceiling(iters: int) -> float:
     n = 1 << 30
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = _time_ms(lambda: dst.copy_(src), iters)
+    ms = _time_ms(lambda d=dst, s=src: d.copy_(s), iters)
     del src, dst
     return 2 * n / ms / 1e6  # GB/s
 
@@ -116,14 +129,12 @@ def _payload_bytes(t: dtq.QuantizedTensor) -> int:
 
 def _needs_amax(q, dirs, x) -> bool:
     """Whether the kernels read the input twice: a tensor amax pass, or FP8 row-wise's axis amaxes."""
-    from dtq.formats.base import codec_for
 
-    def two_reads(sub, d):
-        codec = codec_for(sub)
-        spec = codec.kernel_spec(sub, d, tuple(x.shape), x.dtype)
-        return codec.needs_amax(sub, d) or (spec is not None and spec.amax_vector is not None)
+    def two_reads(codec):
+        spec = codec.kernel_spec(tuple(x.shape), x.dtype)
+        return codec.needs_amax() or (spec is not None and spec.amax_vector is not None)
 
-    return any(two_reads(q.for_direction(d), d) for d in dirs)
+    return any(two_reads(q.codec(d)) for d in dirs)
 
 
 def bench_one(q, x, dirs: str, iters: int, seed: torch.Tensor) -> dict:
@@ -145,8 +156,14 @@ def bench_one(q, x, dirs: str, iters: int, seed: torch.Tensor) -> dict:
     dirnames = [d for d, on in zip(dtq.DIRECTIONS, (kw["rowwise"], kw["columnwise"])) if on]
     amax_pass = _needs_amax(q, dirnames, x)
     ideal = (in_bytes + out_bytes) / (in_bytes * (2 if amax_pass else 1) + out_bytes)
-    return {"ms": ms, "in_bytes": in_bytes, "out_bytes": out_bytes, "amax_pass": amax_pass,
-            "gbps": (in_bytes + out_bytes) / ms / 1e6, "ideal_fraction": ideal}
+    return {
+        "ms": ms,
+        "in_bytes": in_bytes,
+        "out_bytes": out_bytes,
+        "amax_pass": amax_pass,
+        "gbps": (in_bytes + out_bytes) / ms / 1e6,
+        "ideal_fraction": ideal,
+    }
 
 
 def bench_amax(x, iters: int) -> list[dict]:
@@ -155,12 +172,25 @@ def bench_amax(x, iters: int) -> list[dict]:
     m, k = x.shape
     per_row, per_col = (torch.empty(n, dtype=torch.int32, device=x.device) for n in (m, k))
     buf = torch.zeros(2, dtype=torch.int32, device=x.device)
-    passes = {"amax x": lambda: ext.amax(x, buf, True, -1), "amax Tx": lambda: ext.amax(x, buf, False, 0x5A5A),
-              "axis amax rows+cols": lambda: ext.axis_amax(x, per_row, per_col)}
+    passes = {
+        "amax x": lambda: ext.amax(x, buf, True, -1),
+        "amax Tx": lambda: ext.amax(x, buf, False, 0x5A5A),
+        "axis amax rows+cols": lambda: ext.axis_amax(x, per_row, per_col),
+    }
     for name, call in passes.items():
         ms = _graph_ms(call, iters)  # the kernel call alone (its memsets included)
-        rows.append({"format": name, "dirs": "-", "ms": ms, "in_bytes": x.numel() * x.element_size(), "out_bytes": 0,
-                     "amax_pass": False, "gbps": x.numel() * x.element_size() / ms / 1e6, "ideal_fraction": 1.0})
+        rows.append(
+            {
+                "format": name,
+                "dirs": "-",
+                "ms": ms,
+                "in_bytes": x.numel() * x.element_size(),
+                "out_bytes": 0,
+                "amax_pass": False,
+                "gbps": x.numel() * x.element_size() / ms / 1e6,
+                "ideal_fraction": 1.0,
+            }
+        )
     return rows
 
 
@@ -169,8 +199,17 @@ def bench_transpose(x, iters: int) -> dict:
     ms = _time_ms(lambda: kernels.transposed(codes), iters)
     torch_ms = _time_ms(lambda: codes.t().contiguous(), iters)
     n = codes.numel()
-    return {"format": "transpose fp8 codes", "dirs": "-", "ms": ms, "in_bytes": n, "out_bytes": n, "amax_pass": False,
-            "gbps": 2 * n / ms / 1e6, "ideal_fraction": 1.0, "torch_ms": torch_ms}
+    return {
+        "format": "transpose fp8 codes",
+        "dirs": "-",
+        "ms": ms,
+        "in_bytes": n,
+        "out_bytes": n,
+        "amax_pass": False,
+        "gbps": 2 * n / ms / 1e6,
+        "ideal_fraction": 1.0,
+        "torch_ms": torch_ms,
+    }
 
 
 def bench_elementwise(x, iters: int) -> list[dict]:
@@ -187,35 +226,69 @@ def bench_elementwise(x, iters: int) -> list[dict]:
         da, db = dh * b, dh * torch.nn.functional.silu(a)  # MulBackward, then SiluBackward, then cat
         return torch.cat((torch.ops.aten.silu_backward(da, a), db), dim=-1)
 
-    cases = [("swiglu forward", lambda: kernels.swiglu(x, f2 // 2), lambda: torch.nn.functional.silu(a) * b,
-              n * 2 + n),  # read [T, 2F], write [T, F] (bf16)
-             ("swiglu backward", lambda: kernels.swiglu_backward(dh, x, f2 // 2), eager_bwd, n + 2 * n * 2),
-             ("gemm epilogue fp32->bf16", lambda: kernels.scale_cast(out32, fa, fb, torch.bfloat16),
-              lambda: (out32 * fa * fb).to(torch.bfloat16), n * 4 + n * 2)]
+    cases = [
+        (
+            "swiglu forward",
+            lambda: kernels.swiglu(x, f2 // 2),
+            lambda: torch.nn.functional.silu(a) * b,
+            n * 2 + n,
+        ),  # read [T, 2F], write [T, F] (bf16)
+        ("swiglu backward", lambda: kernels.swiglu_backward(dh, x, f2 // 2), eager_bwd, n + 2 * n * 2),
+        (
+            "gemm epilogue fp32->bf16",
+            lambda: kernels.scale_cast(out32, fa, fb, torch.bfloat16),
+            lambda: (out32 * fa * fb).to(torch.bfloat16),
+            n * 4 + n * 2,
+        ),
+    ]
     rows = []
     for name, fused, eager, nbytes in cases:  # both in CUDA graphs: kernel time only
         ms = _graph_ms(fused, iters)
-        rows.append({"format": name, "dirs": "-", "ms": ms, "in_bytes": nbytes, "out_bytes": 0, "amax_pass": False,
-                     "gbps": nbytes / ms / 1e6, "ideal_fraction": 1.0, "reference_ms": _graph_ms(eager, iters)})
+        rows.append(
+            {
+                "format": name,
+                "dirs": "-",
+                "ms": ms,
+                "in_bytes": nbytes,
+                "out_bytes": 0,
+                "amax_pass": False,
+                "gbps": nbytes / ms / 1e6,
+                "ideal_fraction": 1.0,
+                "reference_ms": _graph_ms(eager, iters),
+            }
+        )
     return rows
 
 
 def bench_dequantize(x, iters: int) -> list[dict]:
     """Dequantize of each direction of a few formats' payloads of x, as the emulated GEMMs read
     them (bf16 values, per-tensor factor split off), kernel time (CUDA graph)."""
-    from dtq.formats.base import codec_for
     rows = []
-    for name, q in (("mxfp8", dtq.MXFP8Quantizer()), ("nvfp4", dtq.NVFP4Quantizer()),
-                    ("fp8b_1x128", dtq.Float8BlockQuantizer((1, 128)))):
+    for name, q in (
+        ("mxfp8", dtq.MXFP8Quantizer()),
+        ("nvfp4", dtq.NVFP4Quantizer()),
+        ("fp8b_1x128", dtq.Float8BlockQuantizer((1, 128))),
+    ):
         t = q.quantize(x, rowwise=True, columnwise=True)
         for d in t.directions:
-            sub = q.for_direction(d)
-            codec, payload = codec_for(sub), t.payload(d)
+            codec, payload = q.codec(d), t.payload(d)
             nbytes = sum(v.numel() * v.element_size() for v in payload.values()) + x.numel() * 2
-            ms = _graph_ms(lambda: codec.kernel_dequantize(sub, payload, d, tuple(x.shape), factored=True,
-                                                           dtype=torch.bfloat16), iters)
-            rows.append({"format": f"dequantize {name} -> bf16", "dirs": d[0], "ms": ms, "in_bytes": nbytes,
-                         "out_bytes": 0, "amax_pass": False, "gbps": nbytes / ms / 1e6, "ideal_fraction": 1.0})
+            ms = _graph_ms(
+                lambda: codec.dequantize(payload, tuple(x.shape), torch.bfloat16, factored=True, kernel_only=True),
+                iters,
+            )
+            rows.append(
+                {
+                    "format": f"dequantize {name} -> bf16",
+                    "dirs": d[0],
+                    "ms": ms,
+                    "in_bytes": nbytes,
+                    "out_bytes": 0,
+                    "amax_pass": False,
+                    "gbps": nbytes / ms / 1e6,
+                    "ideal_fraction": 1.0,
+                }
+            )
     return rows
 
 
@@ -255,10 +328,22 @@ def main() -> int:
         m = size * (1 << 20) // 2 // K
         x = (torch.randn(m, K, device="cuda") * 3).bfloat16()
         y = torch.empty_like(x)
-        ms = _time_ms(lambda: y.copy_(x), args.iters)
-        rows.append({"format": "copy (torch)", "dirs": "-", "ms": ms, "in_bytes": x.numel() * 2, "out_bytes": x.numel() * 2,
-                     "amax_pass": False, "gbps": 4 * x.numel() / ms / 1e6, "ideal_fraction": 1.0, "size_mib": size,
-                     "shape": [m, K], "fraction": 4 * x.numel() / ms / 1e6 / ceiling})
+        ms = _time_ms(lambda dst=y, src=x: dst.copy_(src), args.iters)
+        rows.append(
+            {
+                "format": "copy (torch)",
+                "dirs": "-",
+                "ms": ms,
+                "in_bytes": x.numel() * 2,
+                "out_bytes": x.numel() * 2,
+                "amax_pass": False,
+                "gbps": 4 * x.numel() / ms / 1e6,
+                "ideal_fraction": 1.0,
+                "size_mib": size,
+                "shape": [m, K],
+                "fraction": 4 * x.numel() / ms / 1e6 / ceiling,
+            }
+        )
         del y
         for name, q, dirsets in CONFIGS:
             if args.only and args.only not in name:
@@ -294,8 +379,11 @@ def main() -> int:
                 rows.append(r)
         del x
         torch.cuda.empty_cache()
-    hdr = (f"{'format':30s} {'dirs':4s} {'MiB':>5s} {'us':>9s} {'GB/s':>7s} {'of copy':>7s} {'ideal':>6s} {'of ideal':>8s} "
-           f"{'generic us':>10s} {'ref us':>9s} {'speedup':>7s}")
+    hdr = (
+        f"{'format':30s} {'dirs':4s} {'MiB':>5s} {'us':>9s} {'GB/s':>7s} {'of copy':>7s} {'ideal':>6s} "
+        f"{'of ideal':>8s} "
+        f"{'generic us':>10s} {'ref us':>9s} {'speedup':>7s}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -303,10 +391,24 @@ def main() -> int:
         ref_s = f"{ref * 1e3:9.0f} {ref / r['ms']:7.1f}" if ref else ""
         gen = r.get("generic_ms")
         gen_s = f"{gen * 1e3:10.1f}" if gen else f"{'':10s}"
-        print(f"{r['format']:30s} {r['dirs']:4s} {r['size_mib']:5d} {r['ms'] * 1e3:9.1f} {r['gbps']:7.0f} "
-              f"{r['fraction']:7.2f} {r['ideal_fraction']:6.2f} {r['fraction'] / r['ideal_fraction']:8.2f} {gen_s} {ref_s}")
-    Path(args.out).write_text(json.dumps({"device": dev, "torch": torch.__version__, "copy_gbps": ceiling,
-                                          "input_dtype": "bfloat16", "k": K, "rows": rows}, indent=1))
+        print(
+            f"{r['format']:30s} {r['dirs']:4s} {r['size_mib']:5d} {r['ms'] * 1e3:9.1f} {r['gbps']:7.0f} "
+            f"{r['fraction']:7.2f} {r['ideal_fraction']:6.2f} {r['fraction'] / r['ideal_fraction']:8.2f} "
+            f"{gen_s} {ref_s}"
+        )
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "device": dev,
+                "torch": torch.__version__,
+                "copy_gbps": ceiling,
+                "input_dtype": "bfloat16",
+                "k": K,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

@@ -52,9 +52,17 @@ class SwiGLU(torch.nn.Module):
 def layernorm_mlp(base: SwiGLU) -> dtq.nn.LayerNormMLP:
     """``base`` as one dtq.nn.LayerNormMLP (same weights; gate and up as its two halves)."""
     fc1, fc2 = base.fc1.weight, base.fc2.weight
-    mlp = dtq.nn.LayerNormMLP(fc1.shape[1], fc2.shape[1], bias=False, normalization="RMSNorm", activation="swiglu",
-                              eps=base.norm.eps or torch.finfo(fc1.dtype).eps, params_dtype=fc1.dtype,
-                              device=fc1.device, name="mlp")
+    mlp = dtq.nn.LayerNormMLP(
+        fc1.shape[1],
+        fc2.shape[1],
+        bias=False,
+        normalization="RMSNorm",
+        activation="swiglu",
+        eps=base.norm.eps or torch.finfo(fc1.dtype).eps,
+        params_dtype=fc1.dtype,
+        device=fc1.device,
+        name="mlp",
+    )
     with torch.no_grad():
         mlp.norm.weight.copy_(base.norm.weight)
         mlp.fc1_weight.copy_(fc1)
@@ -111,19 +119,49 @@ def ceilings(device: torch.device, n: int, iters: int) -> dict:
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
         a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
         one = torch.ones((), device=device)
-        out["fp8_tensorwise_tflops"] = 2 * n**3 / timer(
-            lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), iters, 3, device) / 1e9
+        out["fp8_tensorwise_tflops"] = (
+            2
+            * n**3
+            / timer(
+                lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), iters, 3, device
+            )
+            / 1e9
+        )
         rows, cols = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
         if torch.cuda.get_device_capability(device)[0] == 9:
-            out["fp8_rowwise_tflops"] = 2 * n**3 / timer(
-                lambda: torch._scaled_mm(a8, b8, scale_a=rows, scale_b=cols, out_dtype=torch.bfloat16), iters, 3,
-                device) / 1e9
+            out["fp8_rowwise_tflops"] = (
+                2
+                * n**3
+                / timer(
+                    lambda: torch._scaled_mm(a8, b8, scale_a=rows, scale_b=cols, out_dtype=torch.bfloat16),
+                    iters,
+                    3,
+                    device,
+                )
+                / 1e9
+            )
         if torch.cuda.get_device_capability(device)[0] == 9 and hasattr(F, "scaled_mm"):
             sa = torch.ones(n // 128, n, device=device).t()  # [n, n/128] column-major
             sb = torch.ones(n // 128, n // 128, device=device).t().contiguous().t()
-            out["fp8_blockwise_tflops"] = 2 * n**3 / timer(
-                lambda: F.scaled_mm(a8, b8, sa, F.ScalingType.BlockWise1x128, sb, F.ScalingType.BlockWise128x128,
-                                    output_dtype=torch.bfloat16), iters, 3, device) / 1e9
+            out["fp8_blockwise_tflops"] = (
+                2
+                * n**3
+                / timer(
+                    lambda: F.scaled_mm(
+                        a8,
+                        b8,
+                        sa,
+                        F.ScalingType.BlockWise1x128,
+                        sb,
+                        F.ScalingType.BlockWise128x128,
+                        output_dtype=torch.bfloat16,
+                    ),
+                    iters,
+                    3,
+                    device,
+                )
+                / 1e9
+            )
     return out
 
 
@@ -134,6 +172,7 @@ def step_fn(model, x, recipe):
         y.backward(torch.ones_like(y))
         for p in model.parameters():
             p.grad = None
+
     return step
 
 
@@ -149,7 +188,8 @@ def torchao_models(model):
     for label, config in (("", None), (" rowwise", Float8LinearConfig.from_recipe_name("rowwise"))):
         out[f"torchao float8{label}"] = convert_to_float8_training(copy.deepcopy(model), config=config)
         out[f"torchao float8{label} compiled"] = torch.compile(
-            convert_to_float8_training(copy.deepcopy(model), config=config))
+            convert_to_float8_training(copy.deepcopy(model), config=config)
+        )
     return out
 
 
@@ -212,20 +252,40 @@ def main() -> None:
                 continue
             bf16_ms = bf16_ms or ms
             tflops = flops / ms / 1e9
-            row = {"layer": lname, "name": name, "ms": ms, "speedup_vs_bf16": bf16_ms / ms, "tflops": tflops,
-                   "frac_bf16_ceiling": tflops / ceil["bf16_gemm_tflops"]}
+            row = {
+                "layer": lname,
+                "name": name,
+                "ms": ms,
+                "speedup_vs_bf16": bf16_ms / ms,
+                "tflops": tflops,
+                "frac_bf16_ceiling": tflops / ceil["bf16_gemm_tflops"],
+            }
             rows.append(row)
-            print(f"{lname:10s} {name:28s} {ms:8.3f} ms  {bf16_ms / ms:5.2f}x BF16  {tflops:7.1f} TFLOP/s "
-                  f"({row['frac_bf16_ceiling']:.2f} of the BF16 GEMM ceiling)", flush=True)
+            print(
+                f"{lname:10s} {name:28s} {ms:8.3f} ms  {bf16_ms / ms:5.2f}x BF16  {tflops:7.1f} TFLOP/s "
+                f"({row['frac_bf16_ceiling']:.2f} of the BF16 GEMM ceiling)",
+                flush=True,
+            )
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     if args.out:
-        commit = os.environ.get("DTQ_COMMIT") or subprocess.run(  # the device's copy may carry a stale .git
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
-        meta = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "torch": torch.__version__,
-                "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
-                "tokens": args.tokens, "hidden": args.hidden, "ffn": args.ffn, "iters": args.iters,
-                "inner": args.inner}
+        commit = (
+            os.environ.get("DTQ_COMMIT")
+            or subprocess.run(  # the device's copy may carry a stale .git
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+            ).stdout.strip()
+        )
+        meta = {
+            "date": time.strftime("%Y-%m-%d"),
+            "commit": commit,
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
+            "tokens": args.tokens,
+            "hidden": args.hidden,
+            "ffn": args.ffn,
+            "iters": args.iters,
+            "inner": args.inner,
+        }
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "ceilings": ceil, "rows": rows}, f, indent=1)
 

@@ -42,9 +42,19 @@ def param_bytes(model) -> int:
 
 def build(args, recipe, quantized):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[dtq.nn.LayerNormMLP(args.hidden, args.ffn, activation="swiglu", normalization="RMSNorm",
-                                                      params_dtype=torch.bfloat16, name=f"layers.{i}")
-                                  for i in range(args.layers)]).cuda()
+    model = torch.nn.Sequential(
+        *[
+            dtq.nn.LayerNormMLP(
+                args.hidden,
+                args.ffn,
+                activation="swiglu",
+                normalization="RMSNorm",
+                params_dtype=torch.bfloat16,
+                name=f"layers.{i}",
+            )
+            for i in range(args.layers)
+        ]
+    ).cuda()
     if quantized:
         dtq.convert(model, recipe=recipe, quantized_params=True)
     for m in model:
@@ -107,11 +117,22 @@ def main():
         base = results["bf16"]["param_bytes_per_rank"]
         print(f"{'mode':26s} {'params/rank MiB':>16s} {'vs bf16':>8s} {'peak MiB':>9s} {'step ms':>8s}  gathered/step")
         for name, r in results.items():
-            print(f"{name:26s} {r['param_bytes_per_rank'] / 2**20:16.1f} {r['param_bytes_per_rank'] / base:8.2f} "
-                  f"{r['peak_step_bytes'] / 2**20:9.0f} {r['step_ms_median']:8.1f}  {r['gathered_bytes_per_step']}")
+            print(
+                f"{name:26s} {r['param_bytes_per_rank'] / 2**20:16.1f} {r['param_bytes_per_rank'] / base:8.2f} "
+                f"{r['peak_step_bytes'] / 2**20:9.0f} {r['step_ms_median']:8.1f}  {r['gathered_bytes_per_step']}"
+            )
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "device": torch.cuda.get_device_name(), "world_size": dist.get_world_size(),
-                       "torch": torch.__version__, "results": results}, f, indent=1)
+            json.dump(
+                {
+                    "args": vars(args),
+                    "device": torch.cuda.get_device_name(),
+                    "world_size": dist.get_world_size(),
+                    "torch": torch.__version__,
+                    "results": results,
+                },
+                f,
+                indent=1,
+            )
     dist.destroy_process_group()
 
 

@@ -22,7 +22,6 @@ import dtq
 from dtq import kernels
 from dtq.gemm import Operand, mm
 
-
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a smoke run of the script (references, not speed)
 
 
@@ -70,6 +69,7 @@ def linear_step(layer, x, recipe):
         for p in layer.parameters():
             p.grad = None
         x.grad = None
+
     return step
 
 
@@ -83,8 +83,12 @@ def main() -> None:
     args = p.parse_args()
     n = args.size
     x = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
-    quantizers = {"fp8": dtq.Float8Quantizer(), "fp8_block": dtq.Float8BlockQuantizer(), "mxfp8": dtq.MXFP8Quantizer(),
-                  "nvfp4": dtq.NVFP4Quantizer()}
+    quantizers = {
+        "fp8": dtq.Float8Quantizer(),
+        "fp8_block": dtq.Float8BlockQuantizer(),
+        "mxfp8": dtq.MXFP8Quantizer(),
+        "nvfp4": dtq.NVFP4Quantizer(),
+    }
     s = torch.ones((), device=DEV)
     x8 = x.to(torch.float8_e4m3fn)
     cases = {
@@ -99,13 +103,20 @@ def main() -> None:
         cases[f"quantize {name} (both dirs)"] = lambda q=q: q.quantize(x)
         cases[f"quantize {name} (rowwise)"] = lambda q=q: q.quantize(x, columnwise=False)
         cases[f"mm {name} fprop"] = lambda t=t: mm(Operand(t), Operand(t, transpose=True), torch.bfloat16)
-        cases[f"mm {name} wgrad"] = lambda t=t: mm(Operand(t, "columnwise", True), Operand(t, "columnwise"), torch.bfloat16)
-    for name, fn in (cases.items() if DEV == "cuda" else ()):
+        cases[f"mm {name} wgrad"] = lambda t=t: mm(
+            Operand(t, "columnwise", True), Operand(t, "columnwise"), torch.bfloat16
+        )
+    for name, fn in cases.items() if DEV == "cuda" else ():
         print(f"{name:44s} {host_us(fn, args.n):8.1f} us", flush=True)
 
-    all_recipes = {"fp8": dtq.Float8CurrentScaling(), "mxfp8": dtq.MXFP8BlockScaling(),
-                   "fp8-block": dtq.Float8BlockScaling(), "nvfp4": dtq.NVFP4BlockScaling(),
-                   "fp8-row": dtq.Float8RowwiseScaling(), "fp8-delayed": dtq.DelayedScaling()}
+    all_recipes = {
+        "fp8": dtq.Float8CurrentScaling(),
+        "mxfp8": dtq.MXFP8BlockScaling(),
+        "fp8-block": dtq.Float8BlockScaling(),
+        "nvfp4": dtq.NVFP4BlockScaling(),
+        "fp8-row": dtq.Float8RowwiseScaling(),
+        "fp8-delayed": dtq.DelayedScaling(),
+    }
     xg = x.clone().requires_grad_()
     print(f"\nLinear {n}x{n} fwd+bwd, host us per step (ratio: over torch.nn.Linear with the same bias)")
     for bias in (False, True):
@@ -128,8 +139,10 @@ def main() -> None:
                 torch._dynamo.reset()
                 step = linear_step(torch.compile(layer, fullgraph=True), xg, recipe)
                 us = host_us(step, args.n)
-                print(f"  {'dtq.nn.Linear compiled ' + name + ' bias=' + str(bias):36s} {us:8.1f} us  {us / ref_c:5.2f}x",
-                      flush=True)
+                print(
+                    f"  {'dtq.nn.Linear compiled ' + name + ' bias=' + str(bias):36s} {us:8.1f} us  {us / ref_c:5.2f}x",
+                    flush=True,
+                )
                 if args.profile and not bias and name == "fp8":
                     profile(step, min(args.n, 500))
 

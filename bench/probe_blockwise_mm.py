@@ -1,5 +1,6 @@
 """Probe torch's blockwise FP8 scaled_mm on this GPU: which scale layouts it accepts for dtq's
 FP8 block payloads, and whether the result matches dtq's emulated GEMM."""
+
 import itertools
 
 import torch
@@ -42,12 +43,17 @@ for name, (a, b, rb) in cases.items():
     db = colmajor(b.payload["data"].t() if b.transpose else b.payload["data"])
     sb = b.payload["scale_inv"]
     sb = sb.t() if b.transpose else sb
-    for va, vb in itertools.product(["colmajor", "contig"], ["asis", "contig", "colmajor", "T_asis", "T_contig", "T_colmajor"]):
+    for va, vb in itertools.product(
+        ["colmajor", "contig"], ["asis", "contig", "colmajor", "T_asis", "T_contig", "T_colmajor"]
+    ):
         A = {"colmajor": colmajor(sa), "contig": sa.contiguous()}[va]
         base = sb.t() if vb.startswith("T_") else sb
         B = {"asis": base, "contig": base.contiguous(), "colmajor": colmajor(base)}[vb.replace("T_", "")]
         try:
             out = F.scaled_mm(da, db, A, ST.BlockWise1x128, B, rb, output_dtype=torch.float32)
-            print(f"{name:22s} a={va:9s} b={vb:11s} {tuple(A.shape)} {A.stride()} {tuple(B.shape)} {B.stride()} rel={rel(out, ref):.2e}")
+            print(
+                f"{name:22s} a={va:9s} b={vb:11s} {tuple(A.shape)} {A.stride()} {tuple(B.shape)} {B.stride()} "
+                f"rel={rel(out, ref):.2e}"
+            )
         except Exception as e:  # noqa: BLE001
             print(f"{name:22s} a={va:9s} b={vb:11s} ERR {str(e).splitlines()[0][:160]}")

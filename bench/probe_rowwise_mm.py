@@ -2,6 +2,7 @@
 it accepts for dtq's FP8 row-wise payloads (``torch._scaled_mm`` with [m, 1] / [1, n] fp32
 scales), and how far each result is from dtq's emulated GEMM. ``dtq.gemm._fp8_rowwise_ok`` takes
 the native path only for what this prints as working."""
+
 import torch
 
 import dtq
@@ -17,8 +18,11 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-for da, db in [(torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e5m2, torch.float8_e4m3fn),
-               (torch.float8_e4m3fn, torch.float8_e5m2)]:
+for da, db in [
+    (torch.float8_e4m3fn, torch.float8_e4m3fn),
+    (torch.float8_e5m2, torch.float8_e4m3fn),
+    (torch.float8_e4m3fn, torch.float8_e5m2),
+]:
     a = Operand(dtq.Float8RowwiseQuantizer(da).quantize(x))
     b = Operand(dtq.Float8RowwiseQuantizer(db).quantize(w), transpose=True)
     ref = _emulated(a, b, torch.float32)

@@ -17,10 +17,10 @@ import pstats
 import time
 
 import torch
+from bench_layers import SwiGLU, recipes, step_fn
 from torch.profiler import ProfilerActivity, profile
 
 import dtq
-from bench_layers import SwiGLU, recipes, step_fn
 
 
 def main() -> None:

@@ -9,15 +9,16 @@ fresh, contiguous tensors themselves (``dtq.nn._ops._unaliased``), as the fake i
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 LIB = torch.library.Library("dtq", "FRAGMENT")  # module-level: the registrations live as long as dtq
 
 
-def define(name: str, fn: Callable, fake: Callable, *, backward: Callable | None = None,
-           setup_context: Callable | None = None) -> torch._ops.OpOverload:
+def define(
+    name: str, fn: Callable, fake: Callable, *, backward: Callable | None = None, setup_context: Callable | None = None
+) -> torch._ops.OpOverload:
     """``torch.ops.dtq.<name>.default`` running ``fn`` (schema inferred from its annotations),
     ``fake`` for shape inference, and ``backward`` / ``setup_context`` as its autograd formula."""
     LIB.define(name + torch.library.infer_schema(fn, mutates_args=()))

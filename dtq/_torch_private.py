@@ -48,8 +48,10 @@ def _find(local_tensor: torch.Tensor):
             for fsdp_param in group.fsdp_params:
                 if fsdp_param._sharded_local_tensor is local_tensor:
                     return group, fsdp_param
-    raise RuntimeError("dtq: this tensor's fsdp_pre_all_gather was called, but no FSDP2 parameter group "
-                       "holds it as a sharded parameter (is torch's FSDP2 layout different in this release?)")
+    raise RuntimeError(
+        "dtq: this tensor's fsdp_pre_all_gather was called, but no FSDP2 parameter group "
+        "holds it as a sharded parameter (is torch's FSDP2 layout different in this release?)"
+    )
 
 
 def gather_context(local_tensor: torch.Tensor) -> GatherContext:
@@ -66,10 +68,15 @@ def gather_context(local_tensor: torch.Tensor) -> GatherContext:
     # FSDPParam._param_fqn: the name from the root (set at FSDP2's lazy init); the group's module
     # name + leaf misses the owning submodule's path (a root group's lm_head.weight: "weight").
     fqn = getattr(fsdp_param, "_param_fqn", None) or _owner_fqn(fsdp_param, leaf) or f"{prefix}.{leaf}".lstrip(".")
-    return GatherContext(training_state=group._training_state.name,
-                         reshard_after_forward=bool(group._reshard_after_forward),
-                         param_name=fqn, leaf_name=leaf, fsdp_param=fsdp_param,
-                         module_name=prefix, post_forward_mesh=bool(group._use_post_forward_mesh))
+    return GatherContext(
+        training_state=group._training_state.name,
+        reshard_after_forward=bool(group._reshard_after_forward),
+        param_name=fqn,
+        leaf_name=leaf,
+        fsdp_param=fsdp_param,
+        module_name=prefix,
+        post_forward_mesh=bool(group._use_post_forward_mesh),
+    )
 
 
 def _owner_fqn(fsdp_param, leaf: str) -> str:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from dtq.recipe import Float8CurrentScaling, Recipe, recipe_key
 
@@ -25,8 +26,9 @@ def _stack() -> list:
 
 
 @contextlib.contextmanager
-def autocast(recipe: Recipe | None = None, enabled: bool = True, *,
-             amax_group: ProcessGroup | None = None) -> Iterator[None]:
+def autocast(
+    recipe: Recipe | None = None, enabled: bool = True, *, amax_group: ProcessGroup | None = None
+) -> Iterator[None]:
     """Run dtq modules under ``recipe`` (default: ``Float8CurrentScaling()``). Nests; the innermost
     wins, and ``enabled=False`` switches quantization off inside. The recipe may change between
     steps: modules look up (and cache) their quantizers per recipe.
@@ -39,8 +41,10 @@ def autocast(recipe: Recipe | None = None, enabled: bool = True, *,
     in the same order. Recipes without histories ignore it; nested regions without their own
     share the enclosing one's."""
     if recipe is not None and not isinstance(recipe, Recipe):
-        raise TypeError(f"dtq.autocast(recipe=...) takes a dtq recipe (e.g. dtq.MXFP8BlockScaling(), "
-                        f"dtq.CustomRecipe(factory)), got {type(recipe).__name__}")
+        raise TypeError(
+            f"dtq.autocast(recipe=...) takes a dtq recipe (e.g. dtq.MXFP8BlockScaling(), "
+            f"dtq.CustomRecipe(factory)), got {type(recipe).__name__}"
+        )
     stack = _stack()
     if amax_group is not None:
         from dtq.distributed.amax import AmaxSync

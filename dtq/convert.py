@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
-from typing import Callable, Literal, overload
+from collections.abc import Callable, Mapping
+from typing import Literal, overload
 
 import torch
 
@@ -42,10 +42,12 @@ class ConvertReport:
     def check(self, who: str, how_to_filter: str) -> None:
         """Raise ValueError naming every layer that could not be converted (strict mode)."""
         if self.refused:
-            raise ValueError(f"{who}: these Linear layers cannot be converted:\n  "
-                             + "\n  ".join(f"{k or '<root>'}: {v}" for k, v in self.refused.items())
-                             + f"\nLeave them out with {how_to_filter}, or convert without strict to keep and "
-                               "report them")
+            raise ValueError(
+                f"{who}: these Linear layers cannot be converted:\n  "
+                + "\n  ".join(f"{k or '<root>'}: {v}" for k, v in self.refused.items())
+                + f"\nLeave them out with {how_to_filter}, or convert without strict to keep and "
+                "report them"
+            )
 
     def log(self) -> None:
         """Log the summary (logger "dtq"): a warning when a layer was kept for a reason, else info."""
@@ -56,22 +58,28 @@ class ConvertReport:
             checked = "shapes not checked: no recipe given"
         else:
             checked = f"shapes checked against {type(self.recipe).__name__}" + (
-                f" and FSDP2 over {self.fsdp_world} ranks" if self.fsdp_world > 1 else "")
-        lines = [f"dtq.convert: converted {len(self.converted)} Linear layers, kept {len(self.skipped)} as they are "
-                 f"({checked})"]
+                f" and FSDP2 over {self.fsdp_world} ranks" if self.fsdp_world > 1 else ""
+            )
+        lines = [
+            f"dtq.convert: converted {len(self.converted)} Linear layers, kept {len(self.skipped)} as they are "
+            f"({checked})"
+        ]
         lines += [f"  kept {fqn or '<root>'}: {why}" for fqn, why in self.skipped.items()]
         return "\n".join(lines)
 
 
-def quantize_module_weights(module: QuantizedModule, recipe: Recipe, memo: dict | None = None,
-                            fqn: str | None = None) -> None:
+def quantize_module_weights(
+    module: QuantizedModule, recipe: Recipe, memo: dict | None = None, fqn: str | None = None
+) -> None:
     """Replace each GEMM weight of ``module`` by a QuantizedTensor parameter made by ``recipe``'s
     weight quantizer (both directions, or rowwise only under a backward override). ``memo`` maps
     an original parameter to its replacement, so tied weights stay tied. ``fqn``: the module's
     name in the model, for messages (default: its own name)."""
     if recipe is None:
-        raise ValueError("quantized_params=True needs a recipe to quantize the weights with, e.g. "
-                         "dtq.convert(model, recipe=dtq.MXFP8BlockScaling(), quantized_params=True)")
+        raise ValueError(
+            "quantized_params=True needs a recipe to quantize the weights with, e.g. "
+            "dtq.convert(model, recipe=dtq.MXFP8BlockScaling(), quantized_params=True)"
+        )
     memo = {} if memo is None else memo
     prefix = fqn or module.name
     for pname in module.weight_names():
@@ -83,8 +91,12 @@ def quantize_module_weights(module: QuantizedModule, recipe: Recipe, memo: dict 
         if q is None:
             continue
         with torch.no_grad():
-            qw = _quantize_weight(q, w, columnwise=recipe.backward_override is None,
-                                  name=f"{prefix}.{pname}" if prefix else f"{type(module).__name__}.{pname}")
+            qw = _quantize_weight(
+                q,
+                w,
+                columnwise=recipe.backward_override is None,
+                name=f"{prefix}.{pname}" if prefix else f"{type(module).__name__}.{pname}",
+            )
         memo[id(w)] = torch.nn.Parameter(qw, requires_grad=w.requires_grad)
         setattr(module, pname, memo[id(w)])
 
@@ -99,9 +111,11 @@ def _quantize_weight(q, w: torch.Tensor, columnwise: bool, name: str) -> torch.T
     except ValueError as e:
         if name in str(e):
             raise
-        raise ValueError(f"dtq.convert(quantized_params=True): cannot quantize {name} (shape {list(w.shape)}): {e} "
-                         "Leave its layer out (module_filter_fn), or convert with a recipe first so dtq.convert "
-                         "skips and reports the layers it cannot hold") from e
+        raise ValueError(
+            f"dtq.convert(quantized_params=True): cannot quantize {name} (shape {list(w.shape)}): {e} "
+            "Leave its layer out (module_filter_fn), or convert with a recipe first so dtq.convert "
+            "skips and reports the layers it cannot hold"
+        ) from e
 
 
 def _quantize_sharded(q, w: torch.Tensor, columnwise: bool, name: str) -> torch.Tensor:
@@ -115,8 +129,9 @@ def _quantize_sharded(q, w: torch.Tensor, columnwise: bool, name: str) -> torch.
     amax = q.local_amax(local, rowwise=True, columnwise=columnwise)
     for mesh_dim, dim in sharded_dims(w):
         if amax:
-            amax = reduce_amax(q, local, w.device_mesh.get_group(mesh_dim), rowwise=True, columnwise=columnwise,
-                               amax=amax, dim=dim)
+            amax = reduce_amax(
+                q, local, w.device_mesh.get_group(mesh_dim), rowwise=True, columnwise=columnwise, amax=amax, dim=dim
+            )
     qt = q.quantize(local, rowwise=True, columnwise=columnwise, amax=amax or None)
     return DTensor.from_local(qt, w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride())
 
@@ -134,16 +149,24 @@ def _unsafe(child: torch.nn.Linear, parent: torch.nn.Module, cname: str) -> str 
     """Why swapping this ``nn.Linear`` (or subclass) for a ``dtq.nn.Linear`` would change what the
     model computes, or None when it is safe."""
     if isinstance(parent, torch.nn.MultiheadAttention) and cname == "out_proj":
-        return ("nn.MultiheadAttention computes with out_proj's weight itself (F.multi_head_attention_forward) "
-                "and never calls its forward: a dtq Linear there would not quantize anything")
+        return (
+            "nn.MultiheadAttention computes with out_proj's weight itself (F.multi_head_attention_forward) "
+            "and never calls its forward: a dtq Linear there would not quantize anything"
+        )
     if hasattr(child.weight, "device_mesh"):
-        return ("its weight is already a DTensor (sharded before dtq.convert): convert first, then apply "
-                "dtq.parallel's tensor-parallel styles and fully_shard")
+        return (
+            "its weight is already a DTensor (sharded before dtq.convert): convert first, then apply "
+            "dtq.parallel's tensor-parallel styles and fully_shard"
+        )
     if type(child) is torch.nn.Linear:
         return None
     cls = type(child).__name__
-    own = [k for c in type(child).__mro__[:type(child).__mro__.index(torch.nn.Linear)]
-           for k in vars(c) if not k.startswith("__") or k == "__call__"]
+    own = [
+        k
+        for c in type(child).__mro__[: type(child).__mro__.index(torch.nn.Linear)]
+        for k in vars(c)
+        if not k.startswith("__") or k == "__call__"
+    ]
     if own:
         return f"its type {cls} (an nn.Linear subclass) defines {sorted(set(own))}, which a dtq.nn.Linear would drop"
     extra = sorted(set(vars(child)) - _LINEAR_STATE) + [n for n, _ in child.named_children()]
@@ -155,19 +178,34 @@ def _unsafe(child: torch.nn.Linear, parent: torch.nn.Module, cname: str) -> str 
 
 
 @overload
-def convert(module: torch.nn.Module, *, recipe: Recipe | None = ..., quantized_params: bool = ...,
-            module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = ..., strict: bool = ...,
-            fsdp_world: int | None = ..., report: Literal[False] = ...) -> torch.nn.Module: ...
+def convert(
+    module: torch.nn.Module,
+    *,
+    recipe: Recipe | None = ...,
+    quantized_params: bool = ...,
+    module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = ...,
+    strict: bool = ...,
+    fsdp_world: int | None = ...,
+    report: Literal[False] = ...,
+) -> torch.nn.Module: ...
 
 
 @overload
-def convert(module: torch.nn.Module, *, recipe: Recipe | None = ..., quantized_params: bool = ...,
-            module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = ..., strict: bool = ...,
-            fsdp_world: int | None = ..., report: Literal[True]) -> tuple[torch.nn.Module, ConvertReport]: ...
+def convert(
+    module: torch.nn.Module,
+    *,
+    recipe: Recipe | None = ...,
+    quantized_params: bool = ...,
+    module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = ...,
+    strict: bool = ...,
+    fsdp_world: int | None = ...,
+    report: Literal[True],
+) -> tuple[torch.nn.Module, ConvertReport]: ...
 
 
-def convert(module, *, recipe=None, quantized_params=False, module_filter_fn=None, strict=False, fsdp_world=None,
-            report=False):
+def convert(
+    module, *, recipe=None, quantized_params=False, module_filter_fn=None, strict=False, fsdp_world=None, report=False
+):
     """Swap every ``torch.nn.Linear`` for a ``dtq.nn.Linear`` in place and name each new module by
     its fully qualified name (its roles' ``name``). The converted module keeps the weight values
     (a new high-precision parameter whose FSDP2 all-gather is quantized: build the optimizer after
@@ -190,8 +228,9 @@ def convert(module, *, recipe=None, quantized_params=False, module_filter_fn=Non
     stay tied). The returned model's ``load_state_dict`` checks every dtq weight before loading
     any. Returns the module (a new one if ``module`` itself was a Linear)."""
     if recipe is not None and not isinstance(recipe, Recipe):
-        raise TypeError(f"dtq.convert(recipe=...) takes a dtq recipe (e.g. dtq.MXFP8BlockScaling()), got "
-                        f"{type(recipe).__name__}")
+        raise TypeError(
+            f"dtq.convert(recipe=...) takes a dtq recipe (e.g. dtq.MXFP8BlockScaling()), got {type(recipe).__name__}"
+        )
     world = _default_fsdp_world() if fsdp_world is None else fsdp_world
     if world < 1:
         raise ValueError(f"dtq.convert: fsdp_world={fsdp_world} must be >= 1")
@@ -202,8 +241,14 @@ def convert(module, *, recipe=None, quantized_params=False, module_filter_fn=Non
 
     def swap(child: torch.nn.Linear, fqn: str) -> Linear:
         if id(child) not in swapped:
-            new = Linear(child.in_features, child.out_features, bias=child.bias is not None,
-                         params_dtype=child.weight.dtype, device="meta", name=fqn)
+            new = Linear(
+                child.in_features,
+                child.out_features,
+                bias=child.bias is not None,
+                params_dtype=child.weight.dtype,
+                device="meta",
+                name=fqn,
+            )
             if id(child.weight) not in weights:
                 weights[id(child.weight)] = as_weight(child.weight, requires_grad=child.weight.requires_grad)
             new.weight = weights[id(child.weight)]

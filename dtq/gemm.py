@@ -18,12 +18,12 @@ import contextlib
 import dataclasses
 import functools
 import threading
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
 from dtq import kernels
-from dtq.formats.base import QuantizedData, codec_for, shape_2d
+from dtq.codec import QuantizedData, shape_2d
 from dtq.tensor import QUANTIZED
 
 _recorders: list[list[str]] = []  # open record_paths() blocks (a debugging aid, empty otherwise)
@@ -54,8 +54,14 @@ class _PinnedFlag:
 
     __slots__ = ("read", "write", "fine", "want", "restore_as", "users", "saved")
 
-    def __init__(self, read: Callable[[], object], write: Callable[[object], None], want: object,
-                 fine: tuple = (), restore_as: Callable[[object], object] = lambda v: v):
+    def __init__(
+        self,
+        read: Callable[[], object],
+        write: Callable[[object], None],
+        want: object,
+        fine: tuple = (),
+        restore_as: Callable[[object], object] = lambda v: v,
+    ):
         self.read, self.write, self.want, self.restore_as = read, write, want, restore_as
         self.fine = (want, *fine)  # values that compute the same bits: nothing to change
         self.users, self.saved = 0, None
@@ -91,9 +97,13 @@ def _ieee_fp32(backend: str) -> _PinnedFlag:
     reading the legacy ``allow_tf32`` raises once a user set the new one). The caller's setting
     comes back as it was: "none" where the backend's ``all`` setting gives the same value (an
     explicit value equal to the inherited one reads the same)."""
-    return _PinnedFlag(functools.partial(_get_precision, backend, "matmul"),
-                       functools.partial(_set_precision, backend, "matmul"), "ieee", fine=("none",),
-                       restore_as=lambda v: "none" if _get_precision(backend, "all") == v else v)
+    return _PinnedFlag(
+        functools.partial(_get_precision, backend, "matmul"),
+        functools.partial(_set_precision, backend, "matmul"),
+        "ieee",
+        fine=("none",),
+        restore_as=lambda v: "none" if _get_precision(backend, "all") == v else v,
+    )
 
 
 # fp32 matmul precision per device type; other devices have no flag dtq knows to hold
@@ -106,20 +116,31 @@ class Operand:
     plain high-precision tensor), which direction of it to read, and whether to transpose it.
     What the paths ask of it is read once here (host time is on every GEMM's critical path)."""
 
-    __slots__ = ("tensor", "direction", "transpose", "quantized", "quantizer", "format", "payload", "shape2d",
-                 "device")
+    __slots__ = (
+        "tensor",
+        "direction",
+        "transpose",
+        "quantized",
+        "quantizer",
+        "codec",
+        "format",
+        "payload",
+        "shape2d",
+        "device",
+    )
 
     def __init__(self, tensor: torch.Tensor | QuantizedData, direction: str = "rowwise", transpose: bool = False):
         self.tensor, self.direction, self.transpose = tensor, direction, transpose
         self.device = tensor.device
         if isinstance(tensor, QUANTIZED):
             self.quantized = True
-            self.quantizer = q = tensor.quantizer.for_direction(direction)
+            self.codec = c = tensor.quantizer.codec(direction)
+            self.quantizer = c.q
             self.payload = tensor.payload(direction)
             self.shape2d = tensor.shape2d
-            self.format = codec_for(q).name
+            self.format = c.name
         else:
-            self.quantized, self.quantizer, self.payload, self.format = False, None, None, "hp"
+            self.quantized, self.quantizer, self.codec, self.payload, self.format = False, None, None, None, "hp"
             self.shape2d = shape_2d(tensor.shape)
 
     def logical_shape(self) -> tuple[int, int]:
@@ -132,7 +153,7 @@ class Operand:
 
     @property
     def rotation(self):
-        return codec_for(self.quantizer).rotation(self.quantizer, self.direction) if self.quantized else None
+        return self.codec.rotation() if self.quantized else None
 
     def key(self) -> tuple:
         """What a path's ``supports`` reads of this operand: format, quantizer, direction, transpose,
@@ -142,16 +163,16 @@ class Operand:
 
     def exact_dtype(self, rotated: bool = False) -> torch.dtype:
         if self.quantized:
-            return codec_for(self.quantizer).exact_dtype(self.quantizer, self.payload, self.direction, rotated)
+            return self.codec.exact_dtype(self.payload, rotated)
         return torch.bfloat16 if self.tensor.dtype == torch.bfloat16 else torch.float32
 
-    def values(self, rotated: bool = False, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def values(
+        self, rotated: bool = False, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[rows, cols] of op(X) in ``dtype`` and its factor: per tensor (0-dim), or per row / column
         of op(X) along the output dims (NVFP4 row_scaled); ``rotated``: left in the payload's rotation."""
         if self.quantized:
-            q, codec = self.quantizer, codec_for(self.quantizer)
-            read = codec.dequantize_rotated if rotated else codec.dequantize_factored
-            vals, factor = read(q, self.payload, self.direction, self.shape2d, dtype)
+            vals, factor = self.codec.dequantize(self.payload, self.shape2d, dtype, factored=True, rotated=rotated)
         else:
             vals, factor = self.tensor.reshape(-1, self.tensor.shape[-1]).to(dtype), None
         if self.transpose:
@@ -204,8 +225,10 @@ def _full_precision_bf16_reduction() -> _PinnedFlag:
     reduced-precision reductions off and split-K allowed (torch's ``(False, True)``; a bare
     ``False`` before torch 2.10), whatever the caller's setting: the reduction options also narrow
     cuBLASLt's algorithm choice, hence the sum order, for fp32 outputs too."""
-    read, write = (torch._C._get_cublas_allow_bf16_reduced_precision_reduction,
-                   torch._C._set_cublas_allow_bf16_reduced_precision_reduction)
+    read, write = (
+        torch._C._get_cublas_allow_bf16_reduced_precision_reduction,
+        torch._C._set_cublas_allow_bf16_reduced_precision_reduction,
+    )
     if isinstance(read(), tuple):  # (allow reduced precision, allow split-K)
         return _PinnedFlag(read, lambda v: write(*v), (False, True))
     return _PinnedFlag(read, write, False)
@@ -261,8 +284,13 @@ def _scalar_fp32(s: torch.Tensor) -> torch.Tensor:
 
 def _fp8_tensorwise(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
     da, db = _row_major(a), _col_major(b)
-    return torch._scaled_mm(da, db, scale_a=_scalar_fp32(a.payload["scale_inv"]),
-                            scale_b=_scalar_fp32(b.payload["scale_inv"]), out_dtype=out_dtype)
+    return torch._scaled_mm(
+        da,
+        db,
+        scale_a=_scalar_fp32(a.payload["scale_inv"]),
+        scale_b=_scalar_fp32(b.payload["scale_inv"]),
+        out_dtype=out_dtype,
+    )
 
 
 def _row_scales(op: Operand, is_b: bool) -> bool:
@@ -276,12 +304,12 @@ def _row_scales(op: Operand, is_b: bool) -> bool:
     # the codec's block: one whole dim of the stored [M, K] by one of the other (which is which
     # depends on the direction); it must span the contraction dim
     shape = op.shape2d
-    tile = codec_for(op.quantizer).tile(op.quantizer, op.direction, shape)
+    tile = op.codec.tile(shape)
     c = _contraction_dim(op, is_b)
     return tile[c] == shape[c] and tile[1 - c] == 1
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rowwise_cublas() -> bool:
     """Whether torch runs row-wise scaled GEMMs through cuBLAS (CUDA 12.9 and later) rather than
     its CUTLASS kernel, which takes fewer output and operand types."""
@@ -352,8 +380,12 @@ def _fp8_blockwise_ok(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
         return False
     (m, k), (_, n) = a.logical_shape(), b.logical_shape()
     n_align = 128 if _block_kind(b, True) == "128x128" else 16
-    return (m % 16 == 0 and k % 128 == 0 and n % n_align == 0
-            and out_dtype in (torch.float32, torch.bfloat16, torch.float16))
+    return (
+        m % 16 == 0
+        and k % 128 == 0
+        and n % n_align == 0
+        and out_dtype in (torch.float32, torch.bfloat16, torch.float16)
+    )
 
 
 def _scales_by_contraction(op: Operand, is_b: bool) -> torch.Tensor:
@@ -403,8 +435,10 @@ def mm(a: Operand, b: Operand, out_dtype: torch.dtype = torch.float32) -> torch.
     if path is None:
         (m, k), (k2, n) = a.logical_shape(), b.logical_shape()
         if k != k2:
-            raise ValueError(f"GEMM shape mismatch: op(A) is [{m}, {k}] ({a.format} {a.direction}) but op(B) is "
-                             f"[{k2}, {n}] ({b.format} {b.direction}); the inner dimensions must agree")
+            raise ValueError(
+                f"GEMM shape mismatch: op(A) is [{m}, {k}] ({a.format} {a.direction}) but op(B) is "
+                f"[{k2}, {n}] ({b.format} {b.direction}); the inner dimensions must agree"
+            )
         path = next(p for p in PATHS if p.supports(a, b, out_dtype))  # the last one supports every pairing
         if len(_chosen) > 4096:
             _chosen.clear()

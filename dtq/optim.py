@@ -4,17 +4,17 @@ pre-hook on every torch optimizer that warns once when one updates quantized par
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, MutableMapping
-from typing import Any, Iterable
+from collections.abc import Iterable, Mapping, MutableMapping
+from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from dtq._torch_private import local_tensor
+from dtq._warn import warn_once
 from dtq.nn.module import LIVE_MODULES
 from dtq.parallel.master import quantize_master_weights
-from dtq._warn import warn_once
 from dtq.tensor import QuantizedTensor
-from dtq._torch_private import local_tensor
 
 MASTER = "master"  # the state entry that holds a quantized parameter's FP32 master weight
 
@@ -28,8 +28,9 @@ def _fp32_master(p: torch.Tensor) -> torch.nn.Parameter:
 
     if isinstance(p, DTensor):
         local = local_tensor(p).dequantize(torch.float32)
-        return torch.nn.Parameter(DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
-                                                     shape=p.shape, stride=p.stride()))
+        return torch.nn.Parameter(
+            DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+        )
     return torch.nn.Parameter(p.dequantize(torch.float32))
 
 
@@ -39,7 +40,7 @@ class _Group(MutableMapping):
     and written live in the inner optimizer's group (the one it steps with; LR schedulers set it;
     its ``load_state_dict`` replaces the group dicts, so they are looked up on each access)."""
 
-    def __init__(self, owner: "MasterWeightOptimizer", index: int):
+    def __init__(self, owner: MasterWeightOptimizer, index: int):
         self._owner, self._index = owner, index
 
     def _inner(self) -> dict:
@@ -100,7 +101,7 @@ class _State(Mapping):
     parameter has an entry (so DCP's helpers never run their own initializing step, which would
     requantize the masters); reading one materializes the inner optimizer's lazy state."""
 
-    def __init__(self, owner: "MasterWeightOptimizer"):
+    def __init__(self, owner: MasterWeightOptimizer):
         self._owner = owner
 
     def __getitem__(self, p: torch.Tensor) -> Any:
@@ -131,8 +132,12 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     and reshards it, and its state-dict helpers (``get_optimizer_state_dict``) name each entry by
     the parameter's fully qualified name."""
 
-    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict], optimizer_cls: type[torch.optim.Optimizer],
-                 **optimizer_kwargs: Any):
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict],
+        optimizer_cls: type[torch.optim.Optimizer],
+        **optimizer_kwargs: Any,
+    ):
         groups = _groups(params)
         if not any(g["params"] for g in groups):
             raise ValueError("MasterWeightOptimizer got no parameters")
@@ -254,8 +259,10 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         else:
             masters, inner = self._split_masters(state_dict)
         if len(masters) != len(self.masters):
-            raise ValueError(f"MasterWeightOptimizer.load_state_dict: {len(masters)} masters in the state dict, "
-                             f"{len(self.masters)} quantized parameters here")
+            raise ValueError(
+                f"MasterWeightOptimizer.load_state_dict: {len(masters)} masters in the state dict, "
+                f"{len(self.masters)} quantized parameters here"
+            )
         for m, saved in zip(self.masters, masters):
             m.copy_(saved)
         self.inner.load_state_dict(inner)
@@ -265,17 +272,21 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     def _split_masters(self, state_dict: dict) -> tuple[list, dict]:
         keys = [k for g in state_dict["param_groups"] for k in g["params"]]
         if len(keys) != len(self.params):
-            raise ValueError(f"MasterWeightOptimizer.load_state_dict: the state dict has {len(keys)} parameters, "
-                             f"this optimizer {len(self.params)}")
+            raise ValueError(
+                f"MasterWeightOptimizer.load_state_dict: the state dict has {len(keys)} parameters, "
+                f"this optimizer {len(self.params)}"
+            )
         state, masters = dict(state_dict["state"]), []
         for key, p in zip(keys, self.params):
             if id(p) not in self._master_of:
                 continue
             st = dict(state.get(key, {}))
             if MASTER not in st:
-                raise KeyError(f"MasterWeightOptimizer.load_state_dict: parameter {key!r} (shape {list(p.shape)}) is "
-                               f"quantized here but the state dict holds no master weight for it; was it saved from "
-                               f"a model with high-precision parameters?")
+                raise KeyError(
+                    f"MasterWeightOptimizer.load_state_dict: parameter {key!r} (shape {list(p.shape)}) is "
+                    f"quantized here but the state dict holds no master weight for it; was it saved from "
+                    f"a model with high-precision parameters?"
+                )
             masters.append(st.pop(MASTER))
             state[key] = st
         return masters, {"state": state, "param_groups": state_dict["param_groups"]}
@@ -287,8 +298,10 @@ def _groups(params) -> list[dict]:
         params = [params]
     groups = list(params)
     if groups and isinstance(groups[0], dict):
-        return [dict(g, params=[g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"]))
-                for g in groups]
+        return [
+            dict(g, params=[g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"]))
+            for g in groups
+        ]
     return [{"params": groups}]
 
 
@@ -298,7 +311,7 @@ def _local_of(t: torch.Tensor) -> torch.Tensor:
 
 # -- plain optimizers on quantized parameters ---------------------------------------------------
 
-_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+_checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 
 
 def _warn_if_stepping_quantized(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
@@ -318,15 +331,20 @@ def _warn_if_stepping_quantized(optimizer: torch.optim.Optimizer, args, kwargs) 
         i, j, p = stepped[0]
         q = _local_of(p).quantizer
         cls = type(optimizer)
-        path = f"torch.optim.{cls.__name__}" if cls.__module__.startswith("torch.optim") else \
-            f"{cls.__module__}.{cls.__qualname__}"
-        warn_once("optimizer-steps-quantized",
-                  f"dtq: {type(optimizer).__name__} updates {len(stepped)} quantized parameter(s) in place, the first "
-                  f"{_param_name(p) or '(a parameter of no live dtq module)'} (param_groups[{i}]['params'][{j}], "
-                  f"shape {list(p.shape)}, {type(q).__name__}): each update is "
-                  f"rounded to the format's codes, so small updates are lost. Step quantized parameters with "
-                  f"dtq.optim.MasterWeightOptimizer(params, {path}, ...), which "
-                  f"updates FP32 master weights and casts them into the parameters.")
+        path = (
+            f"torch.optim.{cls.__name__}"
+            if cls.__module__.startswith("torch.optim")
+            else f"{cls.__module__}.{cls.__qualname__}"
+        )
+        warn_once(
+            "optimizer-steps-quantized",
+            f"dtq: {type(optimizer).__name__} updates {len(stepped)} quantized parameter(s) in place, the first "
+            f"{_param_name(p) or '(a parameter of no live dtq module)'} (param_groups[{i}]['params'][{j}], "
+            f"shape {list(p.shape)}, {type(q).__name__}): each update is "
+            f"rounded to the format's codes, so small updates are lost. Step quantized parameters with "
+            f"dtq.optim.MasterWeightOptimizer(params, {path}, ...), which "
+            f"updates FP32 master weights and casts them into the parameters.",
+        )
     if stepped or not quantized:
         _checked[optimizer] = count
 

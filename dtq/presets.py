@@ -8,27 +8,38 @@ import importlib
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
-from dtq.recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
-                        Float8RowwiseScaling, MXFP8BlockScaling, NVFP4BlockScaling, Recipe, hybrid_recipe)
+from dtq.recipe import (
+    CustomRecipe,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Float8RowwiseScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+    Recipe,
+    hybrid_recipe,
+)
 from dtq.recipes import FACTORIES
 
-PRESETS: Mapping[str, Callable[[], Recipe]] = MappingProxyType({
-    "fp8": Float8CurrentScaling,  # per-tensor current scaling, E4M3 forward / E5M2 gradients
-    "fp8-delayed": DelayedScaling,  # per-tensor scales from each module's amax history
-    "fp8-block": Float8BlockScaling,  # 1x128 activations and gradients, 128x128 weights
-    "fp8-row": Float8RowwiseScaling,  # one E4M3 scale per row of each GEMM's contraction
-    "mxfp8": MXFP8BlockScaling,
-    "nvfp4": NVFP4BlockScaling,
-    # MXFP8 for the forward GEMM, NVFP4 (16x16 weights, stochastic rounding on gradients, random
-    # Hadamard on the wgrad operands) for the backward GEMMs.
-    "hybrid": lambda: hybrid_recipe(MXFP8BlockScaling(), NVFP4BlockScaling()),
-    # Per-tensor FP8 forward, NVFP4 backward.
-    "hybrid-fp8-nvfp4": lambda: hybrid_recipe(Float8CurrentScaling(), NVFP4BlockScaling()),
-    # MXFP8 forward, FP8 1x128 / 128x128 blocks backward.
-    "hybrid-mxfp8-fp8block": lambda: hybrid_recipe(MXFP8BlockScaling(), Float8BlockScaling()),
-    # dtq.recipes' named factories (docs/recipes.md), e.g. "mxfp8_fwd_nvfp4_bwd"
-    **{name: functools.partial(CustomRecipe, f) for name, f in FACTORIES.items()},
-})
+PRESETS: Mapping[str, Callable[[], Recipe]] = MappingProxyType(
+    {
+        "fp8": Float8CurrentScaling,  # per-tensor current scaling, E4M3 forward / E5M2 gradients
+        "fp8-delayed": DelayedScaling,  # per-tensor scales from each module's amax history
+        "fp8-block": Float8BlockScaling,  # 1x128 activations and gradients, 128x128 weights
+        "fp8-row": Float8RowwiseScaling,  # one E4M3 scale per row of each GEMM's contraction
+        "mxfp8": MXFP8BlockScaling,
+        "nvfp4": NVFP4BlockScaling,
+        # MXFP8 for the forward GEMM, NVFP4 (16x16 weights, stochastic rounding on gradients, random
+        # Hadamard on the wgrad operands) for the backward GEMMs.
+        "hybrid": lambda: hybrid_recipe(MXFP8BlockScaling(), NVFP4BlockScaling()),
+        # Per-tensor FP8 forward, NVFP4 backward.
+        "hybrid-fp8-nvfp4": lambda: hybrid_recipe(Float8CurrentScaling(), NVFP4BlockScaling()),
+        # MXFP8 forward, FP8 1x128 / 128x128 blocks backward.
+        "hybrid-mxfp8-fp8block": lambda: hybrid_recipe(MXFP8BlockScaling(), Float8BlockScaling()),
+        # dtq.recipes' named factories (docs/recipes.md), e.g. "mxfp8_fwd_nvfp4_bwd"
+        **{name: functools.partial(CustomRecipe, f) for name, f in FACTORIES.items()},
+    }
+)
 
 
 def recipe_from_name(name: str) -> Recipe:
@@ -38,16 +49,20 @@ def recipe_from_name(name: str) -> Recipe:
         return PRESETS[name]()
     module_name, _, attr = name.partition(":")
     if not module_name or not attr:
-        raise ValueError(f"dtq: unknown recipe {name!r}; use one of {', '.join(sorted(PRESETS))}, or "
-                         "'package.module:function' for a factory that returns a dtq recipe")
+        raise ValueError(
+            f"dtq: unknown recipe {name!r}; use one of {', '.join(sorted(PRESETS))}, or "
+            "'package.module:function' for a factory that returns a dtq recipe"
+        )
     try:
         obj = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"dtq: recipe {name!r}: cannot import {attr!r} from {module_name!r} ({e})") from None
     recipe = obj if isinstance(obj, Recipe) else obj()
     if not isinstance(recipe, Recipe):
-        raise TypeError(f"dtq: recipe {name!r} gave {type(recipe).__name__}; it must give a dtq recipe "
-                        "(dtq.CustomRecipe(factory), dtq.MXFP8BlockScaling(), ...)")
+        raise TypeError(
+            f"dtq: recipe {name!r} gave {type(recipe).__name__}; it must give a dtq recipe "
+            "(dtq.CustomRecipe(factory), dtq.MXFP8BlockScaling(), ...)"
+        )
     return recipe
 
 
@@ -56,6 +71,7 @@ def as_recipe(recipe: Recipe | str) -> Recipe:
     if isinstance(recipe, str):
         return recipe_from_name(recipe)
     if not isinstance(recipe, Recipe):
-        raise TypeError(f"dtq: expected a dtq recipe or a preset name ({', '.join(sorted(PRESETS))}), got "
-                        f"{type(recipe).__name__}")
+        raise TypeError(
+            f"dtq: expected a dtq recipe or a preset name ({', '.join(sorted(PRESETS))}), got {type(recipe).__name__}"
+        )
     return recipe

@@ -8,13 +8,22 @@ the built-in recipes are factory presets of the same mechanism.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, ClassVar
+from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 
-from dtq.formats import (Float8BlockQuantizer, Float8Quantizer, Float8RowwiseQuantizer, HybridQuantizer,
-                         IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer, codec_for)
-from dtq.formats.base import quantizer_names
+from dtq.codec import quantizer_names
+from dtq.formats import (
+    Float8BlockQuantizer,
+    Float8Quantizer,
+    Float8RowwiseQuantizer,
+    HybridQuantizer,
+    IdentityQuantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+    Quantizer,
+)
 
 BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
 TENSOR_TYPES = ("input", "weight", "grad_output")
@@ -32,11 +41,11 @@ class QuantizerRole:
     name: str = ""
 
 
-_KEYS: "dict[Recipe, int]" = {}  # equal recipes share a key (recipes are frozen and compare by value)
-_RECIPES: "dict[int, Recipe]" = {}
+_KEYS: dict[Recipe, int] = {}  # equal recipes share a key (recipes are frozen and compare by value)
+_RECIPES: dict[int, Recipe] = {}
 
 
-def _intern(recipe: "Recipe") -> None:
+def _intern(recipe: Recipe) -> None:
     try:
         key = _KEYS.setdefault(recipe, len(_KEYS) + 1)
     except TypeError:  # an unhashable setting (a CustomRecipe factory that is not hashable): its own key
@@ -45,12 +54,12 @@ def _intern(recipe: "Recipe") -> None:
     object.__setattr__(recipe, "_key", key)
 
 
-def recipe_key(recipe: "Recipe") -> int:
+def recipe_key(recipe: Recipe) -> int:
     """The recipe's key (see ``Recipe.key``), taken now."""
     return recipe.key
 
 
-def recipe_by_key(key: int) -> "Recipe":
+def recipe_by_key(key: int) -> Recipe:
     return _RECIPES[key]
 
 
@@ -67,8 +76,10 @@ class Recipe:
 
     def __post_init__(self):
         if self.backward_override not in BACKWARD_OVERRIDES:
-            raise ValueError(f"{type(self).__name__}: backward_override={self.backward_override!r} is not one of "
-                             f"{BACKWARD_OVERRIDES}")
+            raise ValueError(
+                f"{type(self).__name__}: backward_override={self.backward_override!r} is not one of "
+                f"{BACKWARD_OVERRIDES}"
+            )
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "_key"}
@@ -99,13 +110,15 @@ class Recipe:
         if ok:
             try:
                 for d in ("rowwise", "columnwise"):
-                    codec_for(q.for_direction(d))
+                    q.codec(d)
             except TypeError:
                 ok = False
         if q is not None and not ok:
-            raise TypeError(f"{type(self).__name__}: the quantizer factory returned {type(q).__name__} for {role}; "
-                            f"it must return a dtq quantizer ({quantizer_names()}, HybridQuantizer) or None for high "
-                            "precision")
+            raise TypeError(
+                f"{type(self).__name__}: the quantizer factory returned {type(q).__name__} for {role}; "
+                f"it must return a dtq quantizer ({quantizer_names()}, HybridQuantizer) or None for high "
+                "precision"
+            )
         return q
 
 
@@ -120,16 +133,18 @@ class CustomRecipe(Recipe):
     def __post_init__(self):
         super().__post_init__()
         if self.qfactory is Recipe.qfactory:  # the dataclass took the base class's method as a default
-            raise TypeError("CustomRecipe needs a quantizer factory: CustomRecipe(qfactory) with qfactory(role) -> "
-                            "quantizer | None")
+            raise TypeError(
+                "CustomRecipe needs a quantizer factory: CustomRecipe(qfactory) with qfactory(role) -> quantizer | None"
+            )
         if not callable(self.qfactory):
-            raise TypeError(f"CustomRecipe: qfactory must be callable (role -> quantizer), got {type(self.qfactory).__name__}")
+            raise TypeError(
+                f"CustomRecipe: qfactory must be callable (role -> quantizer), got {type(self.qfactory).__name__}"
+            )
 
 
 def _fp8_dtypes(fp8_format: str, owner: str = "recipe") -> tuple[torch.dtype, torch.dtype]:
     """(forward dtype, grad dtype) of a TransformerEngine-style format name."""
-    table = {"E4M3": (torch.float8_e4m3fn, torch.float8_e4m3fn),
-             "HYBRID": (torch.float8_e4m3fn, torch.float8_e5m2)}
+    table = {"E4M3": (torch.float8_e4m3fn, torch.float8_e4m3fn), "HYBRID": (torch.float8_e4m3fn, torch.float8_e5m2)}
     if fp8_format not in table:
         raise ValueError(f"{owner}: fp8_format={fp8_format!r}; use 'HYBRID' (E4M3 forward, E5M2 gradients) or 'E4M3'")
     return table[fp8_format]
@@ -170,13 +185,17 @@ class DelayedScaling(Float8CurrentScaling):
     def __post_init__(self):
         super().__post_init__()
         if self.backward_override is not None:
-            raise ValueError(f"DelayedScaling does not support backward_override={self.backward_override!r}: its "
-                             "gradient amax history needs quantized gradients. Use Float8CurrentScaling("
-                             f"backward_override={self.backward_override!r}) instead")
+            raise ValueError(
+                f"DelayedScaling does not support backward_override={self.backward_override!r}: its "
+                "gradient amax history needs quantized gradients. Use Float8CurrentScaling("
+                f"backward_override={self.backward_override!r}) instead"
+            )
         if self.amax_history_len < 1:
             raise ValueError(f"DelayedScaling: amax_history_len={self.amax_history_len} must be >= 1")
         if self.amax_compute_algo not in ("max", "most_recent"):
-            raise ValueError(f"DelayedScaling: amax_compute_algo={self.amax_compute_algo!r}; use 'max' or 'most_recent'")
+            raise ValueError(
+                f"DelayedScaling: amax_compute_algo={self.amax_compute_algo!r}; use 'max' or 'most_recent'"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,9 +260,11 @@ class NVFP4BlockScaling(Recipe):
         for opt in ("stochastic_rounding", "random_hadamard"):
             val = getattr(self, opt)
             if self.backward_override is not None and val:
-                raise ValueError(f"NVFP4BlockScaling: {opt}=True has no effect with backward_override="
-                                 f"{self.backward_override!r} (gradients are not quantized and no columnwise "
-                                 f"payload is built); drop one of the two")
+                raise ValueError(
+                    f"NVFP4BlockScaling: {opt}=True has no effect with backward_override="
+                    f"{self.backward_override!r} (gradients are not quantized and no columnwise "
+                    f"payload is built); drop one of the two"
+                )
             if val is None:
                 object.__setattr__(self, opt, self.backward_override is None)
 
@@ -251,8 +272,12 @@ class NVFP4BlockScaling(Recipe):
         if role.tensor_type == "weight":
             return NVFP4Quantizer((16, 16) if self.weight_2d else (1, 16))
         grad = role.tensor_type == "grad_output"
-        return NVFP4Quantizer((1, 16), stochastic_rounding=bool(self.stochastic_rounding and grad),
-                              random_hadamard=bool(self.random_hadamard), hadamard_seed=self.hadamard_seed)
+        return NVFP4Quantizer(
+            (1, 16),
+            stochastic_rounding=bool(self.stochastic_rounding and grad),
+            random_hadamard=bool(self.random_hadamard),
+            hadamard_seed=self.hadamard_seed,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,15 +299,21 @@ class HybridRecipe(Recipe):
             if not isinstance(r, Recipe):
                 raise TypeError(f"HybridRecipe: {part}= must be a dtq recipe, got {type(r).__name__}")
             if r.delayed:
-                raise ValueError(f"HybridRecipe: {part}={type(r).__name__} keeps amax histories per module, which a "
-                                 "hybrid does not; use Float8CurrentScaling for that part")
+                raise ValueError(
+                    f"HybridRecipe: {part}={type(r).__name__} keeps amax histories per module, which a "
+                    "hybrid does not; use Float8CurrentScaling for that part"
+                )
             if r.backward_override is not None:
-                raise ValueError(f"HybridRecipe: {part}= has backward_override={r.backward_override!r}; set the "
-                                 "override on the HybridRecipe itself")
+                raise ValueError(
+                    f"HybridRecipe: {part}= has backward_override={r.backward_override!r}; set the "
+                    "override on the HybridRecipe itself"
+                )
         if self.backward_override is not None:
-            raise ValueError(f"HybridRecipe with backward_override={self.backward_override!r}: the override builds no "
-                             "columnwise payload and quantizes no gradient, so the columnwise and grad parts would be "
-                             "ignored; use the rowwise recipe with the override instead")
+            raise ValueError(
+                f"HybridRecipe with backward_override={self.backward_override!r}: the override builds no "
+                "columnwise payload and quantizes no gradient, so the columnwise and grad parts would be "
+                "ignored; use the rowwise recipe with the override instead"
+            )
 
     def qfactory(self, role: QuantizerRole) -> Quantizer | None:
         if role.tensor_type == "grad_output":
@@ -290,8 +321,10 @@ class HybridRecipe(Recipe):
         r, c = self.rowwise.quantizer(role), self.columnwise.quantizer(role)
         if r is None and c is None:
             return None
-        return HybridQuantizer(rowwise=r.for_direction("rowwise") if r is not None else IdentityQuantizer(),
-                               columnwise=c.for_direction("columnwise") if c is not None else IdentityQuantizer())
+        return HybridQuantizer(
+            rowwise=r.for_direction("rowwise") if r is not None else IdentityQuantizer(),
+            columnwise=c.for_direction("columnwise") if c is not None else IdentityQuantizer(),
+        )
 
 
 def hybrid_recipe(rowwise: Recipe, columnwise: Recipe, grad: Recipe | None = None) -> HybridRecipe:

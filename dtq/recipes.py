@@ -11,7 +11,7 @@ gradient and input.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from dtq.formats import HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer
 from dtq.recipe import QuantizerRole
@@ -27,8 +27,9 @@ def mxfp8_fwd_nvfp4_bwd(role: QuantizerRole) -> Quantizer:
     NVFP4 with stochastic rounding and the random Hadamard on their wgrad (columnwise) payload."""
     if _grad(role):
         return NVFP4Quantizer(stochastic_rounding=True, random_hadamard=True)
-    return HybridQuantizer(rowwise=MXFP8Quantizer(),
-                           columnwise=NVFP4Quantizer(random_hadamard=role.tensor_type == "input"))
+    return HybridQuantizer(
+        rowwise=MXFP8Quantizer(), columnwise=NVFP4Quantizer(random_hadamard=role.tensor_type == "input")
+    )
 
 
 def nvfp4_1d_weight(role: QuantizerRole) -> Quantizer:
@@ -67,6 +68,12 @@ def nvfp4_row_scaled_fwd_mxfp8_bwd(role: QuantizerRole) -> Quantizer:
 
 
 FACTORIES: dict[str, Callable[[QuantizerRole], Quantizer | None]] = {
-    f.__name__: f for f in (mxfp8_fwd_nvfp4_bwd, nvfp4_1d_weight, mxfp8_fwd_high_precision_bwd,
-                            high_precision_fwd_mxfp8_bwd, nvfp4_row_scaled_fwd_mxfp8_bwd)
+    f.__name__: f
+    for f in (
+        mxfp8_fwd_nvfp4_bwd,
+        nvfp4_1d_weight,
+        mxfp8_fwd_high_precision_bwd,
+        high_precision_fwd_mxfp8_bwd,
+        nvfp4_row_scaled_fwd_mxfp8_bwd,
+    )
 }

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from dtq.formats import DIRECTIONS, ROWWISE, codec_for
+from dtq.formats import DIRECTIONS, ROWWISE
 from dtq.recipe import QuantizerRole, Recipe
 
 OPERANDS = ("input", "weight", "grad_output")
@@ -58,9 +58,17 @@ def operand_directions(recipe: Recipe, operand: str) -> tuple[str, ...]:
     return DIRECTIONS
 
 
-def gemm_problems(recipe: Recipe, roles: Sequence[QuantizerRole], weight_shape: Sequence[int], *,
-                  tokens: int | None = None, fsdp_world: int = 1, tp: int = 1,
-                  split_dim: int | None = None, name: str | None = None) -> list[ShapeProblem]:
+def gemm_problems(
+    recipe: Recipe,
+    roles: Sequence[QuantizerRole],
+    weight_shape: Sequence[int],
+    *,
+    tokens: int | None = None,
+    fsdp_world: int = 1,
+    tp: int = 1,
+    split_dim: int | None = None,
+    name: str | None = None,
+) -> list[ShapeProblem]:
     """Problems of one GEMM whose (input, weight, grad_output) slots have ``roles`` and whose whole
     weight is ``[N, K] = weight_shape``. ``tokens``: rows of the input per rank (None: not checked;
     the row constraints are assumed met). ``fsdp_world``: ranks FSDP2 shards the weight's rows
@@ -71,8 +79,17 @@ def gemm_problems(recipe: Recipe, roles: Sequence[QuantizerRole], weight_shape: 
     if split_dim is not None and tp > 1:
         size = (n, k)[split_dim]
         if size % tp:
-            return [ShapeProblem(name, "weight", (n, k), f"does not divide its dim {split_dim} ({size}), which tensor "
-                                 f"parallelism splits over {tp} ranks", layout="tp", multiple=tp, dim=split_dim)]
+            return [
+                ShapeProblem(
+                    name,
+                    "weight",
+                    (n, k),
+                    f"does not divide its dim {split_dim} ({size}), which tensor parallelism splits over {tp} ranks",
+                    layout="tp",
+                    multiple=tp,
+                    dim=split_dim,
+                )
+            ]
         n, k = (n // tp, k) if split_dim == 0 else (n, k // tp)
     problems = []
     for role in roles:
@@ -89,21 +106,31 @@ def gemm_problems(recipe: Recipe, roles: Sequence[QuantizerRole], weight_shape: 
         for d in dirs:
             sub = q.for_direction(d)
             try:
-                codec_for(sub).check_shape(sub, shape, d)
+                q.codec(d).check_shape(shape)
             except ValueError as e:
                 reason = str(e) if tokens is not None else getattr(e, "requirement", str(e))
                 problems.append(ShapeProblem(name, op, shown, reason, tp_shard=split))
             if op == "weight" and fsdp_world > 1:
                 rows, need = -(-n // fsdp_world), q.block_rows(d)
                 if rows % need:
-                    problems.append(ShapeProblem(
-                        name, op, (n, k), f"FSDP2 over {fsdp_world} ranks gives shards of {rows} rows, but "
-                        f"{sub.format_name} {d} blocks span {need} rows", layout="fsdp", tp_shard=split, multiple=need))
+                    problems.append(
+                        ShapeProblem(
+                            name,
+                            op,
+                            (n, k),
+                            f"FSDP2 over {fsdp_world} ranks gives shards of {rows} rows, but "
+                            f"{sub.format_name} {d} blocks span {need} rows",
+                            layout="fsdp",
+                            tp_shard=split,
+                            multiple=need,
+                        )
+                    )
     return problems
 
 
-def linear_problem(recipe: Recipe, name: str, out_features: int, in_features: int, *,
-                   fsdp_world: int = 1) -> str | None:
+def linear_problem(
+    recipe: Recipe, name: str, out_features: int, in_features: int, *, fsdp_world: int = 1
+) -> str | None:
     """Why ``recipe`` cannot quantize a Linear ``[out_features, in_features]`` named ``name`` whose
     weight FSDP2 shards over ``fsdp_world`` ranks (one line), or None if it can."""
     roles = [QuantizerRole("linear", op, name) for op in OPERANDS]
@@ -114,8 +141,15 @@ def linear_problem(recipe: Recipe, name: str, out_features: int, in_features: in
     return f"{type(recipe).__name__} cannot quantize its {problems[0].detail}{more}"
 
 
-def shape_problems(model: torch.nn.Module, recipe: Recipe, *, tokens: int | None = None, fsdp_world: int = 1,
-                   tp: int = 1, tp_dims: Mapping[int, Mapping[str, int]] | None = None) -> list[ShapeProblem]:
+def shape_problems(
+    model: torch.nn.Module,
+    recipe: Recipe,
+    *,
+    tokens: int | None = None,
+    fsdp_world: int = 1,
+    tp: int = 1,
+    tp_dims: Mapping[int, Mapping[str, int]] | None = None,
+) -> list[ShapeProblem]:
     """Every GEMM operand of ``model``'s dtq modules that ``recipe`` cannot quantize, by fully
     qualified name (the modules' role names). ``tp_dims``: ``{id(module): {weight name: dim}}``
     of the weights tensor parallelism over ``tp`` ranks will split (what dtq.parallel's styles'
@@ -129,9 +163,16 @@ def shape_problems(model: torch.nn.Module, recipe: Recipe, *, tokens: int | None
         roles = [r for r in module.quantizer_roles() if r is not None]
         split = (tp_dims or {}).get(id(module), {}) if tp > 1 else {}
         for g, (wname, suffix) in enumerate(zip(module.weight_names(), module.gemm_suffixes())):
-            problems += gemm_problems(recipe, roles[3 * g:3 * g + 3], getattr(module, wname).shape, tokens=tokens,
-                                      fsdp_world=fsdp_world, tp=tp, split_dim=split.get(wname),
-                                      name=(module.name or fqn or type(module).__name__) + suffix)
+            problems += gemm_problems(
+                recipe,
+                roles[3 * g : 3 * g + 3],
+                getattr(module, wname).shape,
+                tokens=tokens,
+                fsdp_world=fsdp_world,
+                tp=tp,
+                split_dim=split.get(wname),
+                name=(module.name or fqn or type(module).__name__) + suffix,
+            )
     return problems
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import os
-import sys
 import socket
+import sys
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,8 +31,9 @@ def default_backend(world_size: int) -> str:
 
 
 def _worker(fn, rank, world_size, port, backend, timeout_s, args, errors):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     faulthandler.enable()  # a native abort prints every thread's Python stack, not only "terminate called"
     failed = True
     try:
@@ -39,9 +41,13 @@ def _worker(fn, rank, world_size, port, backend, timeout_s, args, errors):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=torch.device("cuda", rank) if backend == "nccl" else None)
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=torch.device("cuda", rank) if backend == "nccl" else None,
+        )
         torch.manual_seed(1234)  # same default RNG stream on every rank
         fn(rank, world_size, *args)
         dist.barrier()
@@ -64,8 +70,9 @@ def _worker(fn, rank, world_size, port, backend, timeout_s, args, errors):
 _PORT_TAKEN = ("Address already in use", "EADDRINUSE", "address already in use")
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,
-          timeout: float = 300.0) -> None:
+def spawn(
+    fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None, timeout: float = 300.0
+) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes with
     ``torch.distributed`` initialised on a free local port. ``fn`` and ``args`` must be
     picklable (a module-level function). The first failing rank's exception is re-raised here
@@ -82,13 +89,17 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | No
 def _spawn_once(fn: Callable[..., Any], world_size: int, args: tuple, backend: str | None, timeout: float) -> None:
     backend = backend or default_backend(world_size)
     if backend == "nccl" and torch.cuda.device_count() < world_size:
-        raise RuntimeError(f"spawn(backend='nccl', world_size={world_size}) needs {world_size} GPUs, "
-                           f"found {torch.cuda.device_count()}; use backend='gloo' or fewer ranks")
+        raise RuntimeError(
+            f"spawn(backend='nccl', world_size={world_size}) needs {world_size} GPUs, "
+            f"found {torch.cuda.device_count()}; use backend='gloo' or fewer ranks"
+        )
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, backend, timeout, args, errors), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, backend, timeout, args, errors), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -111,8 +122,9 @@ def _spawn_once(fn: Callable[..., Any], world_size: int, args: tuple, backend: s
     if failures:
         rank, tb = failures[0]  # the first to fail is most likely the cause
         others = sorted({r for r, _ in failures} - {rank})
-        raise RuntimeError(f"rank {rank} of {world_size} failed"
-                           + (f" (ranks {others} failed too)" if others else "") + f":\n{tb}")
+        raise RuntimeError(
+            f"rank {rank} of {world_size} failed" + (f" (ranks {others} failed too)" if others else "") + f":\n{tb}"
+        )
     if alive:
         raise TimeoutError(f"ranks {alive} of {world_size} were still running after {timeout:.0f} s and were killed")
     bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]

@@ -12,7 +12,6 @@ from torch.utils._pytree import tree_map
 from dtq import tensor
 from dtq._torch_private import local_tensor
 from dtq.distributed import gather
-from dtq.formats import HybridQuantizer, registered_quantizers
 
 aten = torch.ops.aten
 
@@ -42,12 +41,15 @@ def _bump_written(func, args: tuple, kwargs: dict | None) -> None:
     autograd, where torch bumps only the outer tensor's counter; the amax cache keys on this one."""
     where = _WRITTEN.get(func)
     if where is None:
-        written = [(i, a.name) for i, a in enumerate(func._schema.arguments)
-                   if a.alias_info is not None and a.alias_info.is_write]
+        written = [
+            (i, a.name)
+            for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        ]
         where = _WRITTEN[func] = tuple(written)
     for i, name in where:
         arg = args[i] if i < len(args) else (kwargs or {}).get(name)
-        for t in (arg if isinstance(arg, (list, tuple)) else (arg,)):
+        for t in arg if isinstance(arg, (list, tuple)) else (arg,):
             if isinstance(t, HighPrecisionWeight):
                 torch.autograd.graph.increment_version(t)
 
@@ -60,25 +62,44 @@ class HighPrecisionWeight(torch.Tensor):
     the all-gather hooks; every other op runs on the plain data and returns plain tensors."""
 
     _KEEP = {
-        aten.detach.default, aten.alias.default, aten.view.default, aten._unsafe_view.default,
-        aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.as_strided.default,
-        aten.new_zeros.default, aten.new_empty.default, aten.new_empty_strided.default, aten.empty_like.default,
-        aten.zeros_like.default, aten.clone.default, aten._to_copy.default, aten._pin_memory.default,
+        aten.detach.default,
+        aten.alias.default,
+        aten.view.default,
+        aten._unsafe_view.default,
+        aten.slice.Tensor,
+        aten.split.Tensor,
+        aten.split_with_sizes.default,
+        aten.as_strided.default,
+        aten.new_zeros.default,
+        aten.new_empty.default,
+        aten.new_empty_strided.default,
+        aten.empty_like.default,
+        aten.zeros_like.default,
+        aten.clone.default,
+        aten._to_copy.default,
+        aten._pin_memory.default,
         aten.t.default,
     }
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, requires_grad: bool = False):
-        self = torch.Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(),
-                                                   storage_offset=data.storage_offset(), dtype=data.dtype,
-                                                   device=data.device, layout=data.layout, requires_grad=requires_grad)
+        self = torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.shape,
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=data.dtype,
+            device=data.device,
+            layout=data.layout,
+            requires_grad=requires_grad,
+        )
         self._data = data
         self._amax_cache = None
         return self
 
     @staticmethod
-    def wrap(t: torch.Tensor) -> "HighPrecisionWeight":
+    def wrap(t: torch.Tensor) -> HighPrecisionWeight:
         return HighPrecisionWeight(t.detach())
 
     def __dtq_unwrap__(self) -> torch.Tensor:  # how dtq.formats (below this module) unwraps it for quantize()
@@ -152,9 +173,3 @@ def local_data(p: torch.Tensor) -> torch.Tensor:
     """The tensor holding parameter ``p``'s values on this rank: a DTensor's local shard, unwrapped
     from a :class:`HighPrecisionWeight` (a QuantizedTensor stays one)."""
     return unwrap(local_tensor(p))
-
-
-def quantized_safe_globals() -> list:
-    """Classes that ``torch.load(weights_only=True)`` must accept to rebuild dtq weights."""
-    return [*tensor.SAFE_GLOBALS, HybridQuantizer, HighPrecisionWeight,
-            *registered_quantizers()]

@@ -31,8 +31,9 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(accelerator.process_index)
     x = torch.randn(1024, 256, generator=g)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.tanh(x.flip(-1))), batch_size=64,
-                                         shuffle=True)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, torch.tanh(x.flip(-1))), batch_size=64, shuffle=True
+    )
     model, optimizer, loader = dtq_accelerate.prepare(accelerator, model, optimizer, loader)
     accelerator.print(f"{accelerator.num_processes} process(es), {accelerator.distributed_type}")
     step = 0

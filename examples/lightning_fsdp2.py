@@ -1,7 +1,7 @@
 """A tiny model trained by Lightning with FSDP2 (ModelParallelStrategy) and dtq's Precision plugin.
 
-    python examples/lightning_fsdp2.py            # 2 CPU processes, gloo (Lightning launches them)
-    python examples/lightning_fsdp2.py --gpus 2   # 2 GPUs, NCCL
+python examples/lightning_fsdp2.py            # 2 CPU processes, gloo (Lightning launches them)
+python examples/lightning_fsdp2.py --gpus 2   # 2 GPUs, NCCL
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from dtq.integrations.lightning import DtqPrecision
 class TinyMLP(pl.LightningModule):
     def __init__(self, hidden: int = 256):
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(),
-                                       torch.nn.Linear(4 * hidden, hidden))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(), torch.nn.Linear(4 * hidden, hidden)
+        )
 
     def configure_model(self) -> None:
         # Under ModelParallelStrategy, convert before sharding: Lightning's own convert_module call
@@ -53,10 +54,15 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1024, 256, generator=g)
     data = torch.utils.data.TensorDataset(x, torch.tanh(x.flip(-1)))
-    trainer = pl.Trainer(accelerator="gpu" if args.gpus else "cpu", devices=devices,
-                         strategy=ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1),
-                         plugins=[DtqPrecision(args.recipe)], max_steps=args.steps, logger=False,
-                         enable_checkpointing=False)
+    trainer = pl.Trainer(
+        accelerator="gpu" if args.gpus else "cpu",
+        devices=devices,
+        strategy=ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1),
+        plugins=[DtqPrecision(args.recipe)],
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(TinyMLP(), torch.utils.data.DataLoader(data, batch_size=64, shuffle=True))
 
 

@@ -22,8 +22,9 @@ from dtq.integrations.torchtitan import DtqConverter, post_optimizer_build_fn
 def llama3_debugmodel_dtq(recipe: str = "mxfp8") -> Trainer.Config:
     """torchtitan's debug config with every Linear but the output projection converted to dtq."""
     config = llama3_debugmodel()
-    config.model_spec = model_registry("debugmodel", converters=[
-        DtqConverter.Config(recipe=recipe, filter_fqns=["lm_head"])])
+    config.model_spec = model_registry(
+        "debugmodel", converters=[DtqConverter.Config(recipe=recipe, filter_fqns=["lm_head"])]
+    )
     config.model_spec.post_optimizer_build_fn = post_optimizer_build_fn
     config.parallelism.spmd_backend = "partial_dtensor"  # FSDP2 shards the dtq weights, not torchtitan
     return config

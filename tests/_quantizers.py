@@ -34,8 +34,10 @@ QUANTIZERS = [
     ("identity_bf16", dtq.IdentityQuantizer(torch.bfloat16)),
     ("hybrid_mxfp8_nvfp4", dtq.HybridQuantizer(rowwise=dtq.MXFP8Quantizer(), columnwise=dtq.NVFP4Quantizer())),
     ("hybrid_fp8row_mxfp8", dtq.HybridQuantizer(rowwise=dtq.Float8RowwiseQuantizer(), columnwise=dtq.MXFP8Quantizer())),
-    ("hybrid_fp8block_identity",
-     dtq.HybridQuantizer(rowwise=dtq.Float8BlockQuantizer(), columnwise=dtq.IdentityQuantizer())),
+    (
+        "hybrid_fp8block_identity",
+        dtq.HybridQuantizer(rowwise=dtq.Float8BlockQuantizer(), columnwise=dtq.IdentityQuantizer()),
+    ),
 ]
 IDS = [i for i, _ in QUANTIZERS]
 ALL = [q for _, q in QUANTIZERS]
@@ -143,7 +145,7 @@ def payload_rows(q, direction, payload: dict, start: int, end: int) -> dict:
     out = {}
     for k, v in payload.items():
         r = rows_per_payload_row(q, direction, k)
-        out[k] = v if r is None else v[start // r: -(-end // r)]
+        out[k] = v if r is None else v[start // r : -(-end // r)]
     return out
 
 
@@ -199,7 +201,9 @@ def element_scale(q, direction, payload, shape2):
         e = payload["scale"].to(torch.float32) - 127
         return expand(torch.ldexp(torch.ones_like(e), e), tile_of(s, direction), shape2)
     if isinstance(s, dtq.NVFP4Quantizer):
-        return expand(payload["scale"].float(), tile_of(s, direction), shape2) / nvfp4_s_enc(payload["amax"], s.e4m3_max)
+        return expand(payload["scale"].float(), tile_of(s, direction), shape2) / nvfp4_s_enc(
+            payload["amax"], s.e4m3_max
+        )
     raise AssertionError(s)
 
 

@@ -33,7 +33,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _full_quantized(name: str, param: torch.Tensor, entries: dict) -> QuantizedTensor:
     """The whole quantized tensor behind a (sharded) quantized parameter, from its state-dict entries."""
-    from torch.distributed.tensor import DTensor
 
     local = local_tensor(param)
     payloads: dict = {}
@@ -44,12 +43,12 @@ def _full_quantized(name: str, param: torch.Tensor, entries: dict) -> QuantizedT
 
 
 @torch.no_grad()
-def high_precision_state_dict(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16,
-                              optimizer=None) -> dict[str, torch.Tensor]:
+def high_precision_state_dict(
+    model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, optimizer=None
+) -> dict[str, torch.Tensor]:
     """Full (unsharded) high-precision tensors of every parameter and buffer, on CPU: quantized
     weights from the FP32 masters of ``optimizer`` (a MasterWeightOptimizer) when given, else
     dequantized. Collective under FSDP2: call it on every rank."""
-    from torch.distributed.tensor import DTensor
 
     masters = {}
     if optimizer is not None:
@@ -77,7 +76,9 @@ def export_safetensors(model: torch.nn.Module, path: str, dtype: torch.dtype = t
     try:
         from safetensors.torch import save_file
     except ImportError as e:
-        raise ImportError("dtq.checkpoint.export_safetensors needs the safetensors package: pip install safetensors") from e
+        raise ImportError(
+            "dtq.checkpoint.export_safetensors needs the safetensors package: pip install safetensors"
+        ) from e
     sd = high_precision_state_dict(model, dtype, optimizer)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
         save_file({k: v.contiguous() for k, v in sd.items()}, path)
@@ -101,17 +102,20 @@ def load_high_precision(model: torch.nn.Module, state_dict: dict[str, torch.Tens
             continue
         full = state_dict[name]
         if tuple(full.shape) != tuple(p.shape):
-            raise ValueError(f"load_high_precision: {name} has shape {list(full.shape)} in the state dict and "
-                             f"{list(p.shape)} in the model")
+            raise ValueError(
+                f"load_high_precision: {name} has shape {list(full.shape)} in the state dict and "
+                f"{list(p.shape)} in the model"
+            )
         local = local_tensor(p)
         start = _row_offset(p)
         if isinstance(local, QuantizedTensor):
-            whole = local.quantizer.quantize(full.to(local.device), rowwise=local.has("rowwise"),
-                                             columnwise=local.has("columnwise"))
-            local.copy_(whole[start:start + local.shape[0]])
+            whole = local.quantizer.quantize(
+                full.to(local.device), rowwise=local.has("rowwise"), columnwise=local.has("columnwise")
+            )
+            local.copy_(whole[start : start + local.shape[0]])
         else:
             target = unwrap(local)
-            target.copy_(full[start:start + local.shape[0]] if isinstance(p, DTensor) else full)
+            target.copy_(full[start : start + local.shape[0]] if isinstance(p, DTensor) else full)
     for name, buf in model.named_buffers():
         if name in state_dict:
             buf.copy_(state_dict[name])

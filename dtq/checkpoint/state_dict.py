@@ -10,7 +10,7 @@ import torch
 from dtq.nn.module import QuantizedModule
 from dtq.nn.state_dict import check_weight
 
-_ATOMIC: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # models whose loading checks first
+_ATOMIC: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # models whose loading checks first
 
 
 def check_state_dict(model: torch.nn.Module, state_dict: dict, prefix: str = "") -> None:
@@ -29,12 +29,14 @@ def check_state_dict(model: torch.nn.Module, state_dict: dict, prefix: str = "")
             if p is not None:
                 check_weight(base + w, p, state_dict, meta.get(w) if isinstance(meta, dict) else None, errors)
     if errors:
-        raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__} (nothing was loaded):\n\t"
-                           + "\n\t".join(errors))
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(model).__name__} (nothing was loaded):\n\t" + "\n\t".join(errors)
+        )
 
 
-def _check_before_load(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                       error_msgs) -> None:
+def _check_before_load(
+    module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+) -> None:
     check_state_dict(module, state_dict, prefix)
 
 

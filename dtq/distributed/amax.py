@@ -9,13 +9,17 @@ a column's amax is then whole on the rank that has the column.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from dtq.formats import DIRECTIONS, Quantizer, codec_for
 from dtq import _torch_private
+from dtq.codec import DIRECTIONS
+
+if TYPE_CHECKING:
+    from dtq.formats import Quantizer
 
 
 class AmaxSync:
@@ -31,9 +35,11 @@ class AmaxSync:
 
     def __init__(self, group: dist.ProcessGroup):
         if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("dtq.autocast(amax_group=...) reduces amaxes over a process group, but torch.distributed "
-                               "is not initialized: call torch.distributed.init_process_group first, or leave "
-                               "amax_group=None in a single-process run")
+            raise RuntimeError(
+                "dtq.autocast(amax_group=...) reduces amaxes over a process group, but torch.distributed "
+                "is not initialized: call torch.distributed.init_process_group first, or leave "
+                "amax_group=None in a single-process run"
+            )
         self.group = group
         self._pending: dict[int, tuple[torch.Tensor, int]] = {}  # id(history) -> (history, entries pushed)
         self._queued_in: set[int] = set()  # backward passes (graph tasks) with a flush queued
@@ -59,9 +65,9 @@ class AmaxSync:
     def flush(self) -> None:
         """One all-reduce of every pending entry (the same list on every rank of the group)."""
         pending, self._pending = list(self._pending.values()), {}
-        entries = [hist[:min(n, hist.numel())] for hist, n in pending]
+        entries = [hist[: min(n, hist.numel())] for hist, n in pending]
         for (hist, _), reduced in zip(pending, all_reduce_max(entries, self.group)):
-            hist[:reduced.numel()] = reduced
+            hist[: reduced.numel()] = reduced
 
 
 def all_reduce_max(tensors: Sequence[torch.Tensor], group) -> list[torch.Tensor]:
@@ -78,7 +84,7 @@ def all_reduce_max(tensors: Sequence[torch.Tensor], group) -> list[torch.Tensor]
 def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     out, i = [], 0
     for t in like:
-        out.append(flat[i:i + t.numel()].reshape(t.shape))
+        out.append(flat[i : i + t.numel()].reshape(t.shape))
         i += t.numel()
     return out
 
@@ -99,8 +105,11 @@ def sharded_dims(param: torch.Tensor) -> list[tuple[int, int]]:
     """``(mesh dim, dim of the [M, K] view)`` of every mesh dim that shards a DTensor ``param``."""
     from torch.distributed.tensor import Shard
 
-    return [(i, sharded_dim(p.dim, param.dim())) for i, p in enumerate(getattr(param, "placements", ()))
-            if isinstance(p, Shard) and param.device_mesh.size(i) > 1]
+    return [
+        (i, sharded_dim(p.dim, param.dim()))
+        for i, p in enumerate(getattr(param, "placements", ()))
+        if isinstance(p, Shard) and param.device_mesh.size(i) > 1
+    ]
 
 
 def check_column_shards(quantizer: Quantizer, param: torch.Tensor, name: str) -> None:
@@ -111,10 +120,11 @@ def check_column_shards(quantizer: Quantizer, param: torch.Tensor, name: str) ->
     shape = param.shape
     for d in DIRECTIONS:
         sub = quantizer.for_direction(d)
-        if not codec_for(sub).column_shardable(sub, d):
+        if not quantizer.codec(d).column_shardable():
             raise ValueError(
                 f"{name} (shape {list(shape)}) is sharded along its last dim (a row-parallel weight under tensor "
                 f"parallelism), but {type(sub).__name__} ({d}) has one scale per whole row or column, which a "
                 "shard of columns cannot hold as a slice of the whole tensor's payload. Keep these weights in high "
                 "precision (quantized_params=False: each rank quantizes its own shard for its GEMMs) or give them "
-                "another format through the recipe")
+                "another format through the recipe"
+            )

@@ -21,9 +21,11 @@ def record_fallback(dtype, nbytes: int, where: str, why: str) -> None:
     _BYTES[f"{name}/fallback"] += int(nbytes)
     if why not in _WARNED:
         _WARNED.add(why)
-        warnings.warn(f"dtq: {where} is gathered in high precision ({name}): {why}. dtq.parallel.comm_stats() "
-                      f"counts these bytes as '{name}/fallback' (warned once per reason, not per tensor)",
-                      stacklevel=3)
+        warnings.warn(
+            f"dtq: {where} is gathered in high precision ({name}): {why}. dtq.parallel.comm_stats() "
+            f"counts these bytes as '{name}/fallback' (warned once per reason, not per tensor)",
+            stacklevel=3,
+        )
 
 
 def comm_stats(reset: bool = False) -> dict[str, int]:

@@ -22,35 +22,39 @@ moves both once.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
 from dtq._bits import as_bytes
 from dtq._torch_private import GatherContext, gather_context, resize_gather_buffers
 from dtq._warn import warn_once
+from dtq.codec import COLUMNWISE, DIRECTIONS, ROWWISE, quantize_payloads, shape_2d
 from dtq.distributed import comm
 from dtq.distributed.amax import reduce_over_shards
 from dtq.distributed.world import check_launched_world
-from dtq.formats import COLUMNWISE, DIRECTIONS, ROWWISE, IdentityQuantizer, Quantizer, codec_for
-from dtq.formats.base import quantize_payloads, shape_2d
+
+if TYPE_CHECKING:
+    from dtq.formats import Quantizer
 
 
 class GatherPlan(NamedTuple):
-    """What one gather of one weight serves: the quantizer (None: the weight goes high precision,
-    counted as a fall-back), the directions to move, and for delayed scaling the function that
-    turns the global current amax into the amax the weight is quantized with."""
+    """What one gather of one weight serves: the quantizer and the directions to move, for delayed
+    scaling the function that turns the global current amax into the amax the weight is quantized
+    with, and whether the gather falls back to high precision (an identity quantizer then: counted
+    and warned about in ``comm_stats``)."""
 
-    quantizer: Quantizer | None
+    quantizer: Quantizer
     directions: tuple[str, ...]
     weight_amax: Callable[[dict], torch.Tensor] | None = None
+    fallback: bool = False
 
 
 class GatherPlanner(Protocol):
     """``module.gemm_state`` of the module FSDP2 hands to the hooks (``dtq.nn.gemm_state.GemmState``)."""
 
-    def gather_plan(self, ctx: GatherContext, quantizer: Quantizer | None,
-                    have: tuple[str, ...]) -> GatherPlan: ...
+    def gather_plan(self, ctx: GatherContext, quantizer: Quantizer | None, have: tuple[str, ...]) -> GatherPlan: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +77,8 @@ def _check_supported(ctx: GatherContext) -> None:
             "fully_shard(..., reshard_after_forward=<int>): FSDP2 would re-shard the gathered quantized payloads "
             "over a smaller group after forward, which dtq's all-gather extensions do not support. Use "
             "reshard_after_forward=True (reshard over the whole group) or False (keep the weight gathered until "
-            "backward) for modules holding dtq weights")
+            "backward) for modules holding dtq weights"
+        )
 
 
 def _padded_rows(full_shape, world: int) -> int:
@@ -91,18 +96,19 @@ def _check_alignment(ctx: GatherContext, quantizer: Quantizer, dirs, full_shape,
         need = quantizer.block_rows(d)
         if world > 1 and (shard_rows * _rows_per_index(full_shape)) % need:
             raise ValueError(
-                f"dtq: cannot all-gather {ctx.param_name} (shape {list(full_shape)}) as {quantizer.for_direction(d).format_name} "
+                f"dtq: cannot all-gather {ctx.param_name} (shape {list(full_shape)}) as "
+                f"{quantizer.for_direction(d).format_name} "
                 f"{d} payloads over {world} FSDP ranks: each shard has {shard_rows} rows but {d} blocks span {need} "
                 f"rows, so a block would be split across ranks. Use a shard count that makes dim 0 / world size a "
                 f"multiple of {need}, a format with smaller {d} blocks for this parameter, or keep its layer out of "
-                f"dtq.convert (dtq.convert(model, recipe=..., fsdp_world={world}) skips and reports such layers)")
+                f"dtq.convert (dtq.convert(model, recipe=..., fsdp_world={world}) skips and reports such layers)"
+            )
 
 
 def _split(quantizer: Quantizer, payloads: dict, dirs) -> tuple[list[torch.Tensor], tuple, dict]:
     inputs, layout, shared = [], [], {}
     for d in dirs:
-        sub = quantizer.for_direction(d)
-        for field, rows in codec_for(sub).fields(sub, d).items():
+        for field, rows in quantizer.codec(d).fields().items():
             t = payloads[d][field]
             if rows is None:
                 shared[(d, field)] = t
@@ -136,7 +142,7 @@ def _pack(inputs: list[torch.Tensor], shape) -> torch.Tensor:
     if itemsize is None:
         raise RuntimeError(f"dtq: {flat.numel()} payload bytes do not fit an all-gather input of shape {list(shape)}")
     buf = torch.zeros(n * itemsize, dtype=torch.uint8, device=flat.device)
-    buf[:flat.numel()] = flat
+    buf[: flat.numel()] = flat
     return buf.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]).view(shape)
 
 
@@ -152,8 +158,8 @@ def _unpack(output: torch.Tensor, meta: _GatherMeta) -> list[torch.Tensor]:
         pieces = []
         for r in range(world):
             valid = max(0, min(pad_rows, full_rows - r * pad_rows))  # payload rows this rank really has
-            t = per_rank[r, offset:offset + nbytes].view(dtype).view(shape)
-            pieces.append(t[:-(-valid // rows_per_entry)])
+            t = per_rank[r, offset : offset + nbytes].view(dtype).view(shape)
+            pieces.append(t[: -(-valid // rows_per_entry)])
         fields.append(torch.cat(pieces))
         offset += nbytes
     return fields
@@ -178,7 +184,7 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     if t.shape[0] == rows:
         return t
     out = t.new_zeros((rows, *t.shape[1:]))
-    out[:t.shape[0]] = t
+    out[: t.shape[0]] = t
     return out
 
 
@@ -195,8 +201,7 @@ def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, fa
         pad_rows = _padded_rows(full_shape, world) * _rows_per_index(full_shape)
         specs, padded = [], []
         for (d, field), t in zip(layout, inputs):
-            sub = quantizer.for_direction(d)
-            rows_per_entry = codec_for(sub).fields(sub, d)[field]
+            rows_per_entry = quantizer.codec(d).fields()[field]
             t = _pad_rows(t, -(-pad_rows // rows_per_entry))
             specs.append((t.dtype, tuple(t.shape), rows_per_entry))
             padded.append(t)
@@ -213,13 +218,18 @@ def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, fa
     resize_gather_buffers(ctx, inputs, world)
     if fallback:
         dtype = payloads[dirs[0]]["data"].dtype
-        comm.record_fallback(dtype, sum(t.numel() * t.element_size() for t in inputs) * world, ctx.param_name,
-                             "no dtq recipe is active for its module (run the step under dtq.autocast) or the "
-                             "recipe asks for the high-precision weight in backward")
+        comm.record_fallback(
+            dtype,
+            sum(t.numel() * t.element_size() for t in inputs) * world,
+            ctx.param_name,
+            "no dtq recipe is active for its module (run the step under dtq.autocast) or the "
+            "recipe asks for the high-precision weight in backward",
+        )
     else:
         _record(quantizer, layout, fields, world, sum(t.numel() * t.element_size() for t in inputs) * world)
-    return tuple(inputs), _GatherMeta(quantizer, dirs, layout, shared, torch.Size(full_shape), aliases, ctx.param_name,
-                                      packed, dtypes)
+    return tuple(inputs), _GatherMeta(
+        quantizer, dirs, layout, shared, torch.Size(full_shape), aliases, ctx.param_name, packed, dtypes
+    )
 
 
 def high_precision_pre_all_gather(weight: torch.Tensor, data: torch.Tensor, mesh, outer_size, module, mp_policy):
@@ -232,10 +242,8 @@ def high_precision_pre_all_gather(weight: torch.Tensor, data: torch.Tensor, mesh
     param_dtype = mp_policy.param_dtype or weight.dtype
     shard = data.detach().to(param_dtype)
     plan = _planner(module, ctx).gather_plan(ctx, None, DIRECTIONS)
-    quantizer, dirs = plan.quantizer, plan.directions
-    fallback = quantizer is None
+    quantizer, dirs, fallback = plan.quantizer, plan.directions, plan.fallback
     if fallback:
-        quantizer = IdentityQuantizer()
         payloads = quantize_payloads(quantizer, shard, dirs)
     else:
         _check_alignment(ctx, quantizer, dirs, outer_size, world)
@@ -261,9 +269,11 @@ def quantized_pre_all_gather(weight: torch.Tensor, quantizer: Quantizer, payload
 def _planner(module, ctx: GatherContext) -> GatherPlanner:
     state = getattr(module, "gemm_state", None)
     if state is None:
-        raise TypeError(f"dtq: FSDP2 gathers {ctx.param_name}, a dtq weight held by {type(module).__name__}, which is "
-                        "not a dtq module (no gemm_state says which recipe its GEMMs run); keep dtq weights in dtq "
-                        "modules (dtq.convert puts them there)")
+        raise TypeError(
+            f"dtq: FSDP2 gathers {ctx.param_name}, a dtq weight held by {type(module).__name__}, which is "
+            "not a dtq module (no gemm_state says which recipe its GEMMs run); keep dtq weights in dtq "
+            "modules (dtq.convert puts them there)"
+        )
     return state
 
 
@@ -275,24 +285,24 @@ def amax_key(weight: torch.Tensor, data: torch.Tensor, quantizer: Quantizer, dty
     return (weight._version, data._version, quantizer, dtype)
 
 
-def _global_amax(local: torch.Tensor, data: torch.Tensor, quantizer: Quantizer, shard: torch.Tensor, mesh, name: str,
-                 dirs):
+def _global_amax(
+    local: torch.Tensor, data: torch.Tensor, quantizer: Quantizer, shard: torch.Tensor, mesh, name: str, dirs
+):
     key = amax_key(local, data, quantizer, shard.dtype)
     cached = local.cached_amax(key)
-    if cached is not None and set(dirs) <= set(cached) | {
-            d for d in dirs if not codec_for(quantizer.for_direction(d)).needs_amax(quantizer.for_direction(d), d)}:
+    if cached is not None and set(dirs) <= set(cached) | {d for d in dirs if not quantizer.codec(d).needs_amax()}:
         return cached
     try:  # both directions at once, so the backward gather reuses this reduction
         amax = quantizer.local_amax(shard)
     except ValueError:  # a direction this shard cannot hold (it is not gathered either)
         amax = quantizer.local_amax(shard, rowwise=ROWWISE in dirs, columnwise=COLUMNWISE in dirs)
     if amax and mesh.size() > 1:
-        warn_once("fsdp-amax-on-the-fly",
-                  f"dtq: reducing the amax of {name} (and of every parameter like it) in its own all-reduce during "
-                  "the FSDP2 all-gather; call dtq.parallel.precompute_amax(model) after optimizer.step() to do "
-                  "all of them in one batched all-reduce")
+        warn_once(
+            "fsdp-amax-on-the-fly",
+            f"dtq: reducing the amax of {name} (and of every parameter like it) in its own all-reduce during "
+            "the FSDP2 all-gather; call dtq.parallel.precompute_amax(model) after optimizer.step() to do "
+            "all of them in one batched all-reduce",
+        )
         amax = reduce_over_shards(amax, mesh.get_group())
     local.remember_amax(key, amax)
     return amax
-
-

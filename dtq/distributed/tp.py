@@ -8,14 +8,17 @@ Sequence parallelism splits activations along their **first** dimension (sequenc
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from dtq.formats import COLUMNWISE, ROWWISE, Quantizer, codec_for
-from dtq.formats.base import QuantizedData, quantize_payloads, shape_2d
+from dtq.codec import COLUMNWISE, ROWWISE, QuantizedData, quantize_payloads, shape_2d
 from dtq.distributed import amax as amax_lib
 from dtq.distributed import comm
+
+if TYPE_CHECKING:
+    from dtq.formats import Quantizer
 
 
 def _all_gather_rows(t: torch.Tensor, group) -> torch.Tensor:
@@ -43,8 +46,10 @@ def reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
     """Sum over ``group`` and keep this rank's dim-0 slice (sequence-parallel GEMM outputs)."""
     world = dist.get_world_size(group)
     if x.shape[0] % world:
-        raise ValueError(f"sequence parallel: a tensor of shape {list(x.shape)} cannot be reduce-scattered over "
-                         f"{world} ranks along dim 0; use a sequence length divisible by the TP size")
+        raise ValueError(
+            f"sequence parallel: a tensor of shape {list(x.shape)} cannot be reduce-scattered over "
+            f"{world} ranks along dim 0; use a sequence length divisible by the TP size"
+        )
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
     _reduce_scatter(out, x.contiguous(), group=group)
     return out
@@ -148,8 +153,10 @@ class SplitToSP(torch.autograd.Function):
         ctx.group = group
         world = dist.get_world_size(group)
         if x.shape[0] % world:
-            raise ValueError(f"sequence parallel: a tensor of shape {list(x.shape)} cannot be split evenly along dim 0 "
-                             f"over {world} ranks; use a sequence length divisible by the TP size")
+            raise ValueError(
+                f"sequence parallel: a tensor of shape {list(x.shape)} cannot be split evenly along dim 0 "
+                f"over {world} ranks; use a sequence length divisible by the TP size"
+            )
         return x.chunk(world)[dist.get_rank(group)].contiguous()
 
     @staticmethod
@@ -171,9 +178,15 @@ class GatherToReplicated(torch.autograd.Function):
         return g.chunk(dist.get_world_size(ctx.group))[dist.get_rank(ctx.group)].contiguous(), None
 
 
-def gather_along_first_dim(x: torch.Tensor, group: dist.ProcessGroup | None = None,
-                           quantizer: Quantizer | None = None, *, rowwise: bool = True,
-                           columnwise: bool = False, amax: dict | None = None) -> torch.Tensor | QuantizedData:
+def gather_along_first_dim(
+    x: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    quantizer: Quantizer | None = None,
+    *,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    amax: dict | None = None,
+) -> torch.Tensor | QuantizedData:
     """All-gather a sequence-parallel shard ``x`` (dim 0 split across ``group``).
 
     With a ``quantizer``, the result is the ``QuantizedData`` of the whole tensor holding the
@@ -183,7 +196,8 @@ def gather_along_first_dim(x: torch.Tensor, group: dist.ProcessGroup | None = No
     the high-precision shard is gathered instead and quantized locally: the same bits, fewer
     bytes. Stochastic rounding draws one seed from torch's generator (recompute replays it) and
     offsets it by the rank, so shards do not repeat each other's random bits: the result is then
-    the concatenation of each shard's quantization. Without a quantizer it is a plain all-gather (counted and warned about as a fall-back).
+    the concatenation of each shard's quantization. Without a quantizer it is a plain all-gather
+    (counted and warned about as a fall-back).
     ``amax`` (``{direction: tensor}``, already the same on every rank, e.g. from delayed scaling)
     replaces the reduced current amaxes."""
     group = group or dist.group.WORLD
@@ -196,9 +210,11 @@ def gather_along_first_dim(x: torch.Tensor, group: dist.ProcessGroup | None = No
     for d in dirs:
         need = quantizer.block_rows(d)
         if local_rows % need:
-            raise ValueError(f"gather_along_first_dim: each rank holds {local_rows} rows of a tensor of shape "
-                             f"{list(x.shape)}, but {quantizer.for_direction(d).format_name} {d} blocks span {need} "
-                             f"rows; use a sequence length per rank that is a multiple of {need}")
+            raise ValueError(
+                f"gather_along_first_dim: each rank holds {local_rows} rows of a tensor of shape "
+                f"{list(x.shape)}, but {quantizer.for_direction(d).format_name} {d} blocks span {need} "
+                f"rows; use a sequence length per rank that is a multiple of {need}"
+            )
     if amax is None:
         amax = reduce_amax(quantizer, x, group, rowwise=rowwise, columnwise=columnwise)
     aliases = quantizer.aliases(dirs)
@@ -213,16 +229,27 @@ def gather_along_first_dim(x: torch.Tensor, group: dist.ProcessGroup | None = No
         if d in aliases:
             gathered[d] = dict(gathered[aliases[d]])
             continue
-        sub = quantizer.for_direction(d)
-        fields = codec_for(sub).fields(sub, d)
+        codec = quantizer.codec(d)
+        fields = codec.fields()
         gathered[d] = {k: (_all_gather_rows(v, group) if fields[k] is not None else v) for k, v in payloads[d].items()}
-        comm.record(sub.format_name, d, sum(v.numel() * v.element_size() * world
-                                             for k, v in payloads[d].items() if fields[k] is not None))
+        comm.record(
+            codec.name,
+            d,
+            sum(v.numel() * v.element_size() * world for k, v in payloads[d].items() if fields[k] is not None),
+        )
     return QuantizedData(full_shape, x.dtype, quantizer, gathered, device=x.device)
 
 
-def reduce_amax(quantizer: Quantizer, x: torch.Tensor, group, *, rowwise: bool, columnwise: bool,
-                amax: dict | None = None, dim: int = 0) -> dict:
+def reduce_amax(
+    quantizer: Quantizer,
+    x: torch.Tensor,
+    group,
+    *,
+    rowwise: bool,
+    columnwise: bool,
+    amax: dict | None = None,
+    dim: int = 0,
+) -> dict:
     """The amaxes of a tensor split along ``dim`` of its [M, K] view over ``group``: the local ones
     (or ``amax``), MAX-reduced in one all-reduce (see :mod:`dtq.distributed.amax`)."""
     if amax is None:
@@ -233,7 +260,7 @@ def reduce_amax(quantizer: Quantizer, x: torch.Tensor, group, *, rowwise: bool, 
 
 
 def _shard_seed(quantizer: Quantizer, dirs, x: torch.Tensor, group) -> torch.Tensor | None:
-    if not any(codec_for(quantizer.for_direction(d)).uses_rng(quantizer.for_direction(d), d) for d in dirs):
+    if not any(quantizer.codec(d).uses_rng() for d in dirs):
         return None
     seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=x.device)
     return (seed + dist.get_rank(group) * 1_000_003) % (2**31 - 1)
@@ -242,10 +269,9 @@ def _shard_seed(quantizer: Quantizer, dirs, x: torch.Tensor, group) -> torch.Ten
 def _row_bytes(quantizer: Quantizer, direction: str, shape: tuple[int, int]) -> int:
     """Bytes of the row-structured payload fields of one direction of a [M, K] tensor (what a
     gather moves; per-tensor fields are reduced, not gathered)."""
-    sub = quantizer.for_direction(direction)
-    codec = codec_for(sub)
-    fields = codec.fields(sub, direction)
-    empty = codec.empty(sub, shape, direction, torch.device("meta"), torch.float32)
+    codec = quantizer.codec(direction)
+    fields = codec.fields()
+    empty = codec.empty(shape, torch.device("meta"), torch.float32)
     return sum(v.numel() * v.element_size() for k, v in empty.items() if fields[k] is not None)
 
 

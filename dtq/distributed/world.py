@@ -28,9 +28,11 @@ def check_launched_world() -> None:
     launched = os.environ.get("WORLD_SIZE", "")
     if not launched.isdigit() or int(launched) <= 1 or dist.get_world_size() != 1:
         return
-    warn_once("world-size-1-under-a-launcher",
-              f"dtq: the default process group has 1 rank, but WORLD_SIZE={launched} in the environment: this "
-              f"process (RANK={os.environ.get('RANK', '?')}) trains alone and nothing is sharded across the "
-              f"{launched} processes the launcher started. Initialize with torch.distributed.init_process_group() "
-              "(no rank, world_size or init_method: it reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT), "
-              "or unset WORLD_SIZE if one-rank groups are intended")
+    warn_once(
+        "world-size-1-under-a-launcher",
+        f"dtq: the default process group has 1 rank, but WORLD_SIZE={launched} in the environment: this "
+        f"process (RANK={os.environ.get('RANK', '?')}) trains alone and nothing is sharded across the "
+        f"{launched} processes the launcher started. Initialize with torch.distributed.init_process_group() "
+        "(no rank, world_size or init_method: it reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT), "
+        "or unset WORLD_SIZE if one-rank groups are intended",
+    )

@@ -1,7 +1,7 @@
 """Format codecs. Importing this package registers every built-in codec."""
 
-from dtq.formats.base import (COLUMNWISE, DIRECTIONS, ROWWISE, Codec, Quantizer, codec_for,
-                              registered_quantizers)
+from dtq.codec import COLUMNWISE, DIRECTIONS, ROWWISE, Codec, registered_quantizers
+from dtq.formats.base import Quantizer
 from dtq.formats.float8 import Float8Quantizer
 from dtq.formats.float8_block import Float8BlockQuantizer
 from dtq.formats.float8_row import Float8RowwiseQuantizer
@@ -10,6 +10,18 @@ from dtq.formats.identity import IdentityQuantizer
 from dtq.formats.mxfp8 import MXFP8Quantizer
 from dtq.formats.nvfp4 import NVFP4Quantizer
 
-__all__ = ["ROWWISE", "COLUMNWISE", "DIRECTIONS", "Codec", "Quantizer", "codec_for", "registered_quantizers",
-           "Float8Quantizer", "Float8BlockQuantizer", "Float8RowwiseQuantizer", "MXFP8Quantizer", "NVFP4Quantizer",
-           "IdentityQuantizer", "HybridQuantizer"]
+__all__ = [
+    "ROWWISE",
+    "COLUMNWISE",
+    "DIRECTIONS",
+    "Codec",
+    "Quantizer",
+    "registered_quantizers",
+    "Float8Quantizer",
+    "Float8BlockQuantizer",
+    "Float8RowwiseQuantizer",
+    "MXFP8Quantizer",
+    "NVFP4Quantizer",
+    "IdentityQuantizer",
+    "HybridQuantizer",
+]

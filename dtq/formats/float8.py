@@ -14,7 +14,8 @@ import dataclasses
 import torch
 
 from dtq import _bits, kernels
-from dtq.formats.base import Payload, Codec, Quantizer, register
+from dtq.codec import Codec, Payload, register
+from dtq.formats.base import Quantizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,46 +30,46 @@ class Float8Quantizer(Quantizer):
 @register(Float8Quantizer)
 class Float8Codec(Codec):
     name = "fp8"
+    q: Float8Quantizer
 
-    @classmethod
-    def fields(cls, q: Float8Quantizer, direction: str) -> dict[str, int | None]:
+    def fields(self) -> dict[str, int | None]:
         return {"data": 1, "scale_inv": None}
 
-    @classmethod
-    def needs_amax(cls, q: Float8Quantizer, direction: str) -> bool:
+    def needs_amax(self) -> bool:
         return True
 
-    @classmethod
-    def quantize(cls, q: Float8Quantizer, x: torch.Tensor, direction: str, amax: torch.Tensor | None, seed: torch.Tensor | None) -> Payload:
+    def quantize(self, x: torch.Tensor, amax: torch.Tensor | None = None, seed: torch.Tensor | None = None) -> Payload:
+        q = self.q
         scale = _bits.per_tensor_scale(amax, _bits.FP8_MAX[q.dtype], q.pow2_scales)
         data = _bits.cast_fp8(x.float() * scale, q.dtype)
         return {"data": data, "scale_inv": torch.reciprocal(scale)}
 
-    @classmethod
-    def kernel_spec(cls, q: Float8Quantizer, direction: str, shape: tuple[int, int], dtype: torch.dtype) -> kernels.KernelSpec:
-        return kernels.KernelSpec(kernels.FP8_SCALED, (0, 0), (("data", shape, q.dtype), ("scale_inv", (), torch.float32)),
-                                  e5m2=q.dtype == torch.float8_e5m2, pow2=q.pow2_scales)
+    def kernel_spec(self, shape: tuple[int, int], dtype: torch.dtype) -> kernels.KernelSpec:
+        q = self.q
+        return kernels.KernelSpec(
+            kernels.FP8_SCALED,
+            (0, 0),
+            (("data", shape, q.dtype), ("scale_inv", (), torch.float32)),
+            e5m2=q.dtype == torch.float8_e5m2,
+            pow2=q.pow2_scales,
+        )
 
-    @classmethod
-    def dequantize(cls, q: Float8Quantizer, payload: Payload, direction: str, shape: tuple[int, int]) -> torch.Tensor:
-        if (out := cls.kernel_dequantize(q, payload, direction, shape)) is not None:
-            return out
+    def _reference(self, payload: Payload, shape: tuple[int, int]) -> torch.Tensor:
         return payload["data"].to(torch.float32) * payload["scale_inv"]
 
-    @classmethod
-    def dequantize_factored(cls, q: Float8Quantizer, payload: Payload, direction: str, shape: tuple[int, int],
-                            dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _factored(
+        self, payload: Payload, shape: tuple[int, int], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return payload["data"].to(dtype), payload["scale_inv"]
 
-    @classmethod
-    def exact_dtype(cls, q: Float8Quantizer, payload: Payload, direction: str, rotated: bool = False) -> torch.dtype:
+    def exact_dtype(self, payload: Payload, rotated: bool = False) -> torch.dtype:
         return torch.bfloat16  # the codes themselves (the scale is the separate factor)
 
-    @classmethod
-    def empty(cls, q: Float8Quantizer, shape: tuple[int, int], direction: str, device: torch.device, dtype: torch.dtype) -> Payload:
-        return {"data": torch.zeros(shape, dtype=q.dtype, device=device),
-                "scale_inv": torch.ones((), dtype=torch.float32, device=device)}
+    def empty(self, shape: tuple[int, int], device: torch.device, dtype: torch.dtype) -> Payload:
+        return {
+            "data": torch.zeros(shape, dtype=self.q.dtype, device=device),
+            "scale_inv": torch.ones((), dtype=torch.float32, device=device),
+        }
 
-    @classmethod
-    def identical_directions(cls, q: Float8Quantizer) -> bool:
+    def identical_directions(self) -> bool:
         return True

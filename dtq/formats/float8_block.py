@@ -17,7 +17,8 @@ import dataclasses
 import torch
 
 from dtq import _bits, kernels
-from dtq.formats.base import Payload, ROWWISE, Codec, Quantizer, register
+from dtq.codec import ROWWISE, Codec, Payload, register
+from dtq.formats.base import Quantizer
 
 _BLOCKS = ((1, 128), (128, 128))
 
@@ -31,8 +32,10 @@ class Float8BlockQuantizer(Quantizer):
     def __post_init__(self):
         _bits.check_fp8_dtype(self.dtype, "Float8BlockQuantizer")
         if tuple(self.block) not in _BLOCKS:
-            raise ValueError(f"Float8BlockQuantizer: block={self.block} is not supported; use (1, 128) "
-                             "(activations, gradients) or (128, 128) (weights)")
+            raise ValueError(
+                f"Float8BlockQuantizer: block={self.block} is not supported; use (1, 128) "
+                "(activations, gradients) or (128, 128) (weights)"
+            )
         object.__setattr__(self, "block", tuple(self.block))
 
     def tile(self, direction: str) -> tuple[int, int]:
@@ -43,48 +46,48 @@ class Float8BlockQuantizer(Quantizer):
 @register(Float8BlockQuantizer)
 class Float8BlockCodec(Codec):
     name = "fp8_block"
+    q: Float8BlockQuantizer
 
-    @classmethod
-    def tile(cls, q: Float8BlockQuantizer, direction: str, shape: tuple[int, int]) -> tuple[int, int] | None:
-        return q.tile(direction)
+    def tile(self, shape: tuple[int, int]) -> tuple[int, int] | None:
+        return self.q.tile(self.direction)
 
-    @classmethod
-    def fields(cls, q: Float8BlockQuantizer, direction: str) -> dict[str, int | None]:
-        return {"data": 1, "scale_inv": q.tile(direction)[0]}
+    def fields(self) -> dict[str, int | None]:
+        return {"data": 1, "scale_inv": self.q.tile(self.direction)[0]}
 
-    @classmethod
-    def quantize(cls, q: Float8BlockQuantizer, x: torch.Tensor, direction: str, amax: torch.Tensor | None, seed: torch.Tensor | None) -> Payload:
-        tile = q.tile(direction)
+    def quantize(self, x: torch.Tensor, amax: torch.Tensor | None = None, seed: torch.Tensor | None = None) -> Payload:
+        q = self.q
+        tile = q.tile(self.direction)
         scale = _bits.per_tensor_scale(_bits.block_amax(x.float(), tile), _bits.FP8_MAX[q.dtype], q.pow2_scales)
         data = _bits.cast_fp8(x.float() * _bits.expand_blocks(scale, tile, tuple(x.shape)), q.dtype)
         return {"data": data, "scale_inv": torch.reciprocal(scale)}
 
-    @classmethod
-    def kernel_spec(cls, q: Float8BlockQuantizer, direction: str, shape: tuple[int, int], dtype: torch.dtype) -> kernels.KernelSpec:
-        br, bc = q.tile(direction)
+    def kernel_spec(self, shape: tuple[int, int], dtype: torch.dtype) -> kernels.KernelSpec:
+        q = self.q
+        br, bc = q.tile(self.direction)
         nblk = (-(-shape[0] // br), -(-shape[1] // bc))
-        return kernels.KernelSpec(kernels.FP8_SCALED, (br, bc), (("data", shape, q.dtype), ("scale_inv", nblk, torch.float32)),
-                                  e5m2=q.dtype == torch.float8_e5m2, pow2=q.pow2_scales)
+        return kernels.KernelSpec(
+            kernels.FP8_SCALED,
+            (br, bc),
+            (("data", shape, q.dtype), ("scale_inv", nblk, torch.float32)),
+            e5m2=q.dtype == torch.float8_e5m2,
+            pow2=q.pow2_scales,
+        )
 
-    @classmethod
-    def exact_dtype(cls, q: Float8BlockQuantizer, payload: Payload, direction: str, rotated: bool = False) -> torch.dtype:
+    def exact_dtype(self, payload: Payload, rotated: bool = False) -> torch.dtype:
         # code * 2^k keeps the code's 4 significant bits; a general scale_inv does not fit bf16
-        return torch.bfloat16 if q.pow2_scales else torch.float32
+        return torch.bfloat16 if self.q.pow2_scales else torch.float32
 
-    @classmethod
-    def dequantize(cls, q: Float8BlockQuantizer, payload: Payload, direction: str, shape: tuple[int, int]) -> torch.Tensor:
-        if (out := cls.kernel_dequantize(q, payload, direction, shape)) is not None:
-            return out
-        s = _bits.expand_blocks(payload["scale_inv"], q.tile(direction), shape)
+    def _reference(self, payload: Payload, shape: tuple[int, int]) -> torch.Tensor:
+        s = _bits.expand_blocks(payload["scale_inv"], self.q.tile(self.direction), shape)
         return payload["data"].to(torch.float32) * s
 
-    @classmethod
-    def empty(cls, q: Float8BlockQuantizer, shape: tuple[int, int], direction: str, device: torch.device, dtype: torch.dtype) -> Payload:
-        br, bc = q.tile(direction)
+    def empty(self, shape: tuple[int, int], device: torch.device, dtype: torch.dtype) -> Payload:
+        br, bc = self.q.tile(self.direction)
         nblk = (-(-shape[0] // br), -(-shape[1] // bc))
-        return {"data": torch.zeros(shape, dtype=q.dtype, device=device),
-                "scale_inv": torch.ones(nblk, dtype=torch.float32, device=device)}
+        return {
+            "data": torch.zeros(shape, dtype=self.q.dtype, device=device),
+            "scale_inv": torch.ones(nblk, dtype=torch.float32, device=device),
+        }
 
-    @classmethod
-    def identical_directions(cls, q: Float8BlockQuantizer) -> bool:
-        return q.block[0] == q.block[1]
+    def identical_directions(self) -> bool:
+        return self.q.block[0] == self.q.block[1]

@@ -28,7 +28,8 @@ import dataclasses
 import torch
 
 from dtq import _bits, kernels
-from dtq.formats.base import COLUMNWISE, Codec, Payload, Quantizer, register
+from dtq.codec import COLUMNWISE, Codec, Payload, register
+from dtq.formats.base import Quantizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,81 +49,77 @@ def _reduced_dim(direction: str) -> int:
 @register(Float8RowwiseQuantizer)
 class Float8RowwiseCodec(Codec):
     name = "fp8_row"
+    q: Float8RowwiseQuantizer
 
-    @classmethod
-    def fields(cls, q: Float8RowwiseQuantizer, direction: str) -> dict[str, int | None]:
+    def fields(self) -> dict[str, int | None]:
         # columnwise scales cover every row: shared by all dim-0 slices, like a per-tensor value
-        return {"data": 1, "scale_inv": None if direction == COLUMNWISE else 1}
+        return {"data": 1, "scale_inv": None if self.direction == COLUMNWISE else 1}
 
-    @classmethod
-    def tile(cls, q: Float8RowwiseQuantizer, direction: str, shape: tuple[int, int]) -> tuple[int, int]:
-        return (shape[0], 1) if direction == COLUMNWISE else (1, shape[1])
+    def tile(self, shape: tuple[int, int]) -> tuple[int, int]:
+        return (shape[0], 1) if self.direction == COLUMNWISE else (1, shape[1])
 
-    @classmethod
-    def needs_amax(cls, q: Float8RowwiseQuantizer, direction: str) -> bool:
-        return direction == COLUMNWISE
+    def needs_amax(self) -> bool:
+        return self.direction == COLUMNWISE
 
-    @classmethod
-    def amax_shape(cls, q: Float8RowwiseQuantizer, direction: str, shape: tuple[int, int]) -> tuple[int, ...]:
+    def amax_shape(self, shape: tuple[int, int]) -> tuple[int, ...]:
         return (1, shape[1])
 
-    @classmethod
-    def local_amax(cls, q: Float8RowwiseQuantizer, x: torch.Tensor, direction: str) -> torch.Tensor:
-        return _bits.axis_amax(x, _reduced_dim(direction))
+    def local_amax(self, x: torch.Tensor) -> torch.Tensor:
+        return _bits.axis_amax(x, _reduced_dim(self.direction))
 
-    @classmethod
-    def column_shardable(cls, q: Float8RowwiseQuantizer, direction: str) -> bool:
+    def column_shardable(self) -> bool:
         return False
 
-    @classmethod
-    def quantize(cls, q: Float8RowwiseQuantizer, x: torch.Tensor, direction: str, amax: torch.Tensor | None,
-                 seed: torch.Tensor | None) -> Payload:
+    def quantize(self, x: torch.Tensor, amax: torch.Tensor | None = None, seed: torch.Tensor | None = None) -> Payload:
+        q = self.q
         if amax is None:
-            amax = _bits.axis_amax(x, _reduced_dim(direction))
+            amax = _bits.axis_amax(x, _reduced_dim(self.direction))
         scale = _bits.per_tensor_scale(amax, _bits.FP8_MAX[q.dtype], q.pow2_scales)
         return {"data": _bits.cast_fp8(x.float() * scale, q.dtype), "scale_inv": torch.reciprocal(scale)}
 
-    @classmethod
-    def kernel_spec(cls, q: Float8RowwiseQuantizer, direction: str, shape: tuple[int, int],
-                    dtype: torch.dtype) -> kernels.KernelSpec:
-        col = direction == COLUMNWISE
-        return kernels.KernelSpec(kernels.FP8_ROW, (0, 1) if col else (1, 0),
-                                  (("data", shape, q.dtype), ("scale_inv", _scale_shape(shape, direction), torch.float32)),
-                                  e5m2=q.dtype == torch.float8_e5m2, pow2=q.pow2_scales,
-                                  amax_vector="cols" if col else "rows")
+    def kernel_spec(self, shape: tuple[int, int], dtype: torch.dtype) -> kernels.KernelSpec:
+        q = self.q
+        col = self.direction == COLUMNWISE
+        return kernels.KernelSpec(
+            kernels.FP8_ROW,
+            (0, 1) if col else (1, 0),
+            (("data", shape, q.dtype), ("scale_inv", _scale_shape(shape, self.direction), torch.float32)),
+            e5m2=q.dtype == torch.float8_e5m2,
+            pow2=q.pow2_scales,
+            amax_vector="cols" if col else "rows",
+        )
 
-    @classmethod
-    def kernel_dequantize(cls, q: Float8RowwiseQuantizer, payload: Payload, direction: str, shape: tuple[int, int],
-                          factored: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    def _kernel(
+        self, payload: Payload, shape: tuple[int, int], factored: bool = False, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor | None:
         # The dequantize kernel's FP8 blocks, one per whole row ((1, K)) or column ((M, 1)).
         data = payload.get("data")
         if data is None or not data.is_cuda or 0 in shape:
             return None
-        block = (shape[0], 1) if direction == COLUMNWISE else (1, shape[1])
-        spec = kernels.KernelSpec(kernels.FP8_SCALED, block, cls.kernel_spec(q, direction, shape, torch.float32).fields,
-                                  e5m2=q.dtype == torch.float8_e5m2, pow2=q.pow2_scales)
+        q = self.q
+        block = (shape[0], 1) if self.direction == COLUMNWISE else (1, shape[1])
+        spec = kernels.KernelSpec(
+            kernels.FP8_SCALED,
+            block,
+            self.kernel_spec(shape, torch.float32).fields,
+            e5m2=q.dtype == torch.float8_e5m2,
+            pow2=q.pow2_scales,
+        )
         return kernels.dequantize(spec, payload, shape, factored, dtype)
 
-    @classmethod
-    def dequantize(cls, q: Float8RowwiseQuantizer, payload: Payload, direction: str,
-                   shape: tuple[int, int]) -> torch.Tensor:
-        if (out := cls.kernel_dequantize(q, payload, direction, shape)) is not None:
-            return out
+    def _reference(self, payload: Payload, shape: tuple[int, int]) -> torch.Tensor:
         return payload["data"].to(torch.float32) * payload["scale_inv"]
 
-    @classmethod
-    def exact_dtype(cls, q: Float8RowwiseQuantizer, payload: Payload, direction: str,
-                    rotated: bool = False) -> torch.dtype:
+    def exact_dtype(self, payload: Payload, rotated: bool = False) -> torch.dtype:
         # code * 2^k keeps the code's 4 significant bits; a general scale_inv does not fit bf16
-        return torch.bfloat16 if q.pow2_scales else torch.float32
+        return torch.bfloat16 if self.q.pow2_scales else torch.float32
 
-    @classmethod
-    def empty(cls, q: Float8RowwiseQuantizer, shape: tuple[int, int], direction: str, device: torch.device,
-              dtype: torch.dtype) -> Payload:
-        return {"data": torch.zeros(shape, dtype=q.dtype, device=device),
-                "scale_inv": torch.ones(_scale_shape(shape, direction), dtype=torch.float32, device=device)}
+    def empty(self, shape: tuple[int, int], device: torch.device, dtype: torch.dtype) -> Payload:
+        return {
+            "data": torch.zeros(shape, dtype=self.q.dtype, device=device),
+            "scale_inv": torch.ones(_scale_shape(shape, self.direction), dtype=torch.float32, device=device),
+        }
 
 
 def _scale_shape(shape: tuple[int, int], direction: str) -> tuple[int, int]:
     return (1, shape[1]) if direction == COLUMNWISE else (shape[0], 1)
-

@@ -10,7 +10,8 @@ import dataclasses
 import torch
 
 from dtq import _bits, kernels
-from dtq.formats.base import Payload, Codec, Quantizer, register
+from dtq.codec import Codec, Payload, register
+from dtq.formats.base import Quantizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,55 +20,57 @@ class IdentityQuantizer(Quantizer):
 
     def __post_init__(self):
         if self.dtype is not None and not self.dtype.is_floating_point:
-            raise ValueError(f"IdentityQuantizer: dtype={self.dtype} is not a floating-point dtype; "
-                             "use None (keep the input dtype), torch.bfloat16, torch.float16 or torch.float32")
+            raise ValueError(
+                f"IdentityQuantizer: dtype={self.dtype} is not a floating-point dtype; "
+                "use None (keep the input dtype), torch.bfloat16, torch.float16 or torch.float32"
+            )
         if self.dtype is not None and self.dtype.itemsize < 2:
-            raise ValueError(f"IdentityQuantizer: dtype={self.dtype} is a quantized dtype; use Float8Quantizer "
-                             "for FP8, or a 16/32-bit float here")
+            raise ValueError(
+                f"IdentityQuantizer: dtype={self.dtype} is a quantized dtype; use Float8Quantizer "
+                "for FP8, or a 16/32-bit float here"
+            )
 
 
 @register(IdentityQuantizer)
 class IdentityCodec(Codec):
     name = "identity"
+    q: IdentityQuantizer
 
-    @classmethod
-    def fields(cls, q: IdentityQuantizer, direction: str) -> dict[str, int | None]:
+    def fields(self) -> dict[str, int | None]:
         return {"data": 1}
 
-    @classmethod
-    def quantize(cls, q: IdentityQuantizer, x: torch.Tensor, direction: str, amax: torch.Tensor | None, seed: torch.Tensor | None) -> Payload:
-        if q.dtype is None or q.dtype == x.dtype:
+    def quantize(self, x: torch.Tensor, amax: torch.Tensor | None = None, seed: torch.Tensor | None = None) -> Payload:
+        if self.q.dtype is None or self.q.dtype == x.dtype:
             return {"data": x.clone()}  # bit-exact passthrough
-        return {"data": _bits.canonical_nan(x.to(q.dtype))}
+        return {"data": _bits.canonical_nan(x.to(self.q.dtype))}
 
-    @classmethod
-    def kernel_spec(cls, q: IdentityQuantizer, direction: str, shape: tuple[int, int], dtype: torch.dtype) -> kernels.KernelSpec | None:
-        out = q.dtype or dtype
+    def kernel_spec(self, shape: tuple[int, int], dtype: torch.dtype) -> kernels.KernelSpec | None:
+        out = self.q.dtype or dtype
         if out not in kernels.INPUT_DTYPES:
             return None
         return kernels.KernelSpec(kernels.IDENTITY, (0, 0), (("data", shape, out),), out_dtype=out)
 
-    @classmethod
-    def dequantize(cls, q: IdentityQuantizer, payload: Payload, direction: str, shape: tuple[int, int]) -> torch.Tensor:
+    def _kernel(
+        self, payload: Payload, shape: tuple[int, int], factored: bool = False, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor | None:
+        return None  # a copy needs no kernel (the quantize kernel's IDENTITY slot only writes payloads)
+
+    def _reference(self, payload: Payload, shape: tuple[int, int]) -> torch.Tensor:
         return payload["data"].to(torch.float32, copy=True)  # never hand out the stored data itself
 
-    @classmethod
-    def empty(cls, q: IdentityQuantizer, shape: tuple[int, int], direction: str, device: torch.device, dtype: torch.dtype) -> Payload:
-        return {"data": torch.zeros(shape, dtype=q.dtype or dtype, device=device)}
+    def empty(self, shape: tuple[int, int], device: torch.device, dtype: torch.dtype) -> Payload:
+        return {"data": torch.zeros(shape, dtype=self.q.dtype or dtype, device=device)}
 
-    @classmethod
-    def identical_directions(cls, q: IdentityQuantizer) -> bool:
+    def identical_directions(self) -> bool:
         return True
 
-    @classmethod
-    def dequantize_factored(cls, q: IdentityQuantizer, payload: Payload, direction: str, shape: tuple[int, int],
-                            dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _factored(
+        self, payload: Payload, shape: tuple[int, int], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return payload["data"].to(dtype), None  # read-only use: no copy when the dtype matches
 
-    @classmethod
-    def exact_dtype(cls, q: IdentityQuantizer, payload: Payload, direction: str, rotated: bool = False) -> torch.dtype:
+    def exact_dtype(self, payload: Payload, rotated: bool = False) -> torch.dtype:
         return torch.bfloat16 if payload["data"].dtype == torch.bfloat16 else torch.float32
 
-    @classmethod
-    def lossless(cls, q: IdentityQuantizer, dtype: torch.dtype) -> bool:
-        return q.dtype is None or q.dtype == dtype
+    def lossless(self, dtype: torch.dtype) -> bool:
+        return self.q.dtype is None or self.q.dtype == dtype

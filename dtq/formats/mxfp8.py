@@ -20,7 +20,8 @@ import dataclasses
 import torch
 
 from dtq import _bits, kernels
-from dtq.formats.base import Payload, ROWWISE, Codec, Quantizer, register, shape_error
+from dtq.codec import ROWWISE, Codec, Payload, register, shape_error
+from dtq.formats.base import Quantizer
 
 BLOCK = 32
 
@@ -33,8 +34,10 @@ class MXFP8Quantizer(Quantizer):
     def __post_init__(self):
         _bits.check_fp8_dtype(self.dtype, "MXFP8Quantizer")
         if self.scale_rounding not in ("ceil", "floor"):
-            raise ValueError(f"MXFP8Quantizer: scale_rounding={self.scale_rounding!r}; use 'ceil' "
-                             "(cuBLAS/TransformerEngine RCEIL) or 'floor' (OCP MX v1.0)")
+            raise ValueError(
+                f"MXFP8Quantizer: scale_rounding={self.scale_rounding!r}; use 'ceil' "
+                "(cuBLAS/TransformerEngine RCEIL) or 'floor' (OCP MX v1.0)"
+            )
 
 
 def _tile(direction: str) -> tuple[int, int]:
@@ -48,8 +51,11 @@ def e8m0_exponent(q: MXFP8Quantizer, amax: torch.Tensor) -> torch.Tensor:
     safe = torch.where(finite_pos, amax, torch.ones_like(amax))
     if q.scale_rounding == "ceil":
         d = safe / safe.new_full((), fmax)  # a tensor: true fp32 division on every device (and no blocking copy)
-        e = torch.where(d > 0, _bits.ceil_log2(torch.where(d > 0, d, torch.ones_like(d))),
-                        torch.full_like(d, -127, dtype=torch.int32))
+        e = torch.where(
+            d > 0,
+            _bits.ceil_log2(torch.where(d > 0, d, torch.ones_like(d))),
+            torch.full_like(d, -127, dtype=torch.int32),
+        )
     else:
         e = _bits.floor_log2(safe) - _bits.FP8_EMAX[q.dtype]
     biased = (torch.clamp(e, -127, 127) + _bits.E8M0_BIAS).to(torch.uint8)
@@ -59,62 +65,67 @@ def e8m0_exponent(q: MXFP8Quantizer, amax: torch.Tensor) -> torch.Tensor:
 
 def e8m0_value(biased: torch.Tensor) -> torch.Tensor:
     """2**(biased - 127) in fp32; 0xFF is NaN."""
-    v = torch.ldexp(torch.ones(biased.shape, dtype=torch.float32, device=biased.device),
-                    biased.to(torch.float32) - _bits.E8M0_BIAS)
+    v = torch.ldexp(
+        torch.ones(biased.shape, dtype=torch.float32, device=biased.device), biased.to(torch.float32) - _bits.E8M0_BIAS
+    )
     return torch.where(biased == _bits.E8M0_NAN, torch.full_like(v, float("nan")), v)
 
 
 @register(MXFP8Quantizer)
 class MXFP8Codec(Codec):
     name = "mxfp8"
+    q: MXFP8Quantizer
 
-    @classmethod
-    def tile(cls, q: MXFP8Quantizer, direction: str, shape: tuple[int, int]) -> tuple[int, int] | None:
-        return _tile(direction)
+    def tile(self, shape: tuple[int, int]) -> tuple[int, int] | None:
+        return _tile(self.direction)
 
-    @classmethod
-    def fields(cls, q: MXFP8Quantizer, direction: str) -> dict[str, int | None]:
-        return {"data": 1, "scale": _tile(direction)[0]}
+    def fields(self) -> dict[str, int | None]:
+        return {"data": 1, "scale": _tile(self.direction)[0]}
 
-    @classmethod
-    def check_shape(cls, q: MXFP8Quantizer, shape: tuple[int, int], direction: str) -> None:
-        dim, size = (1, shape[1]) if direction == ROWWISE else (0, shape[0])
+    def check_shape(self, shape: tuple[int, int]) -> None:
+        dim, size = (1, shape[1]) if self.direction == ROWWISE else (0, shape[0])
         if size % BLOCK:
-            raise shape_error(q, shape, direction, f"{'K (last dim)' if dim else 'M (leading dims)'} = {size} "
-                              f"must be a multiple of the MX block size {BLOCK}")
+            raise shape_error(
+                self.q,
+                shape,
+                self.direction,
+                f"{'K (last dim)' if dim else 'M (leading dims)'} = "
+                f"{size} must be a multiple of the MX block size {BLOCK}",
+            )
 
-    @classmethod
-    def quantize(cls, q: MXFP8Quantizer, x: torch.Tensor, direction: str, amax: torch.Tensor | None, seed: torch.Tensor | None) -> Payload:
+    def quantize(self, x: torch.Tensor, amax: torch.Tensor | None = None, seed: torch.Tensor | None = None) -> Payload:
         xf = x.float()
-        tile = _tile(direction)
-        biased = e8m0_exponent(q, _bits.block_amax(xf, tile))
+        tile = _tile(self.direction)
+        biased = e8m0_exponent(self.q, _bits.block_amax(xf, tile))
         # 2**-e as fp32 (exact, subnormal for e = 127); NaN for 0xFF blocks.
-        inv = torch.ldexp(torch.ones(biased.shape, dtype=torch.float32, device=x.device),
-                          _bits.E8M0_BIAS - biased.to(torch.float32))
+        inv = torch.ldexp(
+            torch.ones(biased.shape, dtype=torch.float32, device=x.device), _bits.E8M0_BIAS - biased.to(torch.float32)
+        )
         inv = torch.where(biased == _bits.E8M0_NAN, torch.full_like(inv, float("nan")), inv)
-        data = _bits.cast_fp8(xf * _bits.expand_blocks(inv, tile, tuple(x.shape)), q.dtype)
+        data = _bits.cast_fp8(xf * _bits.expand_blocks(inv, tile, tuple(x.shape)), self.q.dtype)
         return {"data": data, "scale": biased}
 
-    @classmethod
-    def kernel_spec(cls, q: MXFP8Quantizer, direction: str, shape: tuple[int, int], dtype: torch.dtype) -> kernels.KernelSpec:
-        br, bc = _tile(direction)
-        return kernels.KernelSpec(kernels.MXFP8, (br, bc), (("data", shape, q.dtype),
-                                                           ("scale", (shape[0] // br, shape[1] // bc), torch.uint8)),
-                                  e5m2=q.dtype == torch.float8_e5m2, floor=q.scale_rounding == "floor")
+    def kernel_spec(self, shape: tuple[int, int], dtype: torch.dtype) -> kernels.KernelSpec:
+        q = self.q
+        br, bc = _tile(self.direction)
+        return kernels.KernelSpec(
+            kernels.MXFP8,
+            (br, bc),
+            (("data", shape, q.dtype), ("scale", (shape[0] // br, shape[1] // bc), torch.uint8)),
+            e5m2=q.dtype == torch.float8_e5m2,
+            floor=q.scale_rounding == "floor",
+        )
 
-    @classmethod
-    def exact_dtype(cls, q: MXFP8Quantizer, payload: Payload, direction: str, rotated: bool = False) -> torch.dtype:
+    def exact_dtype(self, payload: Payload, rotated: bool = False) -> torch.dtype:
         return torch.bfloat16  # code * 2^e: the code's significant bits, a power-of-two scale
 
-    @classmethod
-    def dequantize(cls, q: MXFP8Quantizer, payload: Payload, direction: str, shape: tuple[int, int]) -> torch.Tensor:
-        if (out := cls.kernel_dequantize(q, payload, direction, shape)) is not None:
-            return out
-        s = _bits.expand_blocks(e8m0_value(payload["scale"]), _tile(direction), shape)
+    def _reference(self, payload: Payload, shape: tuple[int, int]) -> torch.Tensor:
+        s = _bits.expand_blocks(e8m0_value(payload["scale"]), _tile(self.direction), shape)
         return payload["data"].to(torch.float32) * s
 
-    @classmethod
-    def empty(cls, q: MXFP8Quantizer, shape: tuple[int, int], direction: str, device: torch.device, dtype: torch.dtype) -> Payload:
-        br, bc = _tile(direction)
-        return {"data": torch.zeros(shape, dtype=q.dtype, device=device),
-                "scale": torch.zeros((shape[0] // br, shape[1] // bc), dtype=torch.uint8, device=device)}
+    def empty(self, shape: tuple[int, int], device: torch.device, dtype: torch.dtype) -> Payload:
+        br, bc = _tile(self.direction)
+        return {
+            "data": torch.zeros(shape, dtype=self.q.dtype, device=device),
+            "scale": torch.zeros((shape[0] // br, shape[1] // bc), dtype=torch.uint8, device=device),
+        }

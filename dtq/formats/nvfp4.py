@@ -38,7 +38,8 @@ import functools
 import torch
 
 from dtq import _bits, kernels
-from dtq.formats.base import Payload, COLUMNWISE, ROWWISE, Codec, Quantizer, register, shape_error
+from dtq.codec import COLUMNWISE, ROWWISE, Codec, Payload, register, shape_error
+from dtq.formats.base import Quantizer
 
 BLOCK = 16
 E4M3_MAX = 448.0
@@ -64,30 +65,40 @@ class NVFP4Quantizer(Quantizer):
             raise ValueError(f"NVFP4Quantizer: block={self.block} is not supported; use (1, 16) or (16, 16)")
         object.__setattr__(self, "block", tuple(self.block))
         if self.random_hadamard and self.block == (16, 16):
-            raise ValueError("NVFP4Quantizer: random_hadamard=True applies to wgrad operands (1x16 blocks along "
-                             "M); it cannot be combined with block=(16, 16), which is meant for weights")
+            raise ValueError(
+                "NVFP4Quantizer: random_hadamard=True applies to wgrad operands (1x16 blocks along "
+                "M); it cannot be combined with block=(16, 16), which is meant for weights"
+            )
         seed = self.hadamard_seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
-            raise ValueError(f"NVFP4Quantizer: hadamard_seed={seed!r} must be an int in [0, 2**32) (the random "
-                             "sign mask's seed) or None (no sign mask: a plain Hadamard transform)")
+            raise ValueError(
+                f"NVFP4Quantizer: hadamard_seed={seed!r} must be an int in [0, 2**32) (the random "
+                "sign mask's seed) or None (no sign mask: a plain Hadamard transform)"
+            )
         for name in ("row_scaled", "four_over_six"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"NVFP4Quantizer: {name} must be True or False, got {getattr(self, name)!r}")
         if self.row_scaled and self.block == (16, 16):
-            raise ValueError("NVFP4Quantizer: row_scaled=True gives every row (rowwise) or column (columnwise) its "
-                             "own global scale, which a 16x16 block spanning 16 of each cannot share; use "
-                             "block=(1, 16)")
+            raise ValueError(
+                "NVFP4Quantizer: row_scaled=True gives every row (rowwise) or column (columnwise) its "
+                "own global scale, which a 16x16 block spanning 16 of each cannot share; use "
+                "block=(1, 16)"
+            )
         if self.four_over_six_error not in ERROR_MODES:
-            raise ValueError(f"NVFP4Quantizer: four_over_six_error={self.four_over_six_error!r} is not one of "
-                             f"{ERROR_MODES} (sum of absolute / squared errors of a block)")
+            raise ValueError(
+                f"NVFP4Quantizer: four_over_six_error={self.four_over_six_error!r} is not one of "
+                f"{ERROR_MODES} (sum of absolute / squared errors of a block)"
+            )
         if self.four_over_six_error != "mae" and not self.four_over_six:
-            raise ValueError(f"NVFP4Quantizer: four_over_six_error={self.four_over_six_error!r} only applies with "
-                             "four_over_six=True")
+            raise ValueError(
+                f"NVFP4Quantizer: four_over_six_error={self.four_over_six_error!r} only applies with four_over_six=True"
+            )
         object.__setattr__(self, "e4m3_max", _check_e4m3_max(self.e4m3_max))
 
     def __repr__(self) -> str:
-        shown = [f for f in dataclasses.fields(self)
-                 if f.name not in _LATE_FIELDS or getattr(self, f.name) != f.default]
+        shown = [
+            f for f in dataclasses.fields(self) if f.name not in _LATE_FIELDS or getattr(self, f.name) != f.default
+        ]
         return f"NVFP4Quantizer({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
 
     def tile(self, direction: str) -> tuple[int, int]:
@@ -104,8 +115,10 @@ def _check_e4m3_max(v) -> float:
     if ok:
         ok = _e4m3_code(float(v)) is not None
     if not ok:
-        raise ValueError(f"NVFP4Quantizer: e4m3_max={v!r} must be an E4M3 value in [1, 448] (e.g. 448, the "
-                         "default, or 256 to leave room for four_over_six's larger block scales)")
+        raise ValueError(
+            f"NVFP4Quantizer: e4m3_max={v!r} must be an E4M3 value in [1, 448] (e.g. 448, the "
+            "default, or 256 to leave room for four_over_six's larger block scales)"
+        )
     return float(v)
 
 
@@ -127,8 +140,9 @@ def _signs_mask(seed: int | None) -> int:
     return kernels.signs_mask(_bits.hadamard_signs(seed, torch.device("cpu")))
 
 
-def _candidate_error(q: NVFP4Quantizer, xf: torch.Tensor, xs: torch.Tensor, tile, s_enc: torch.Tensor,
-                     s_b: torch.Tensor) -> torch.Tensor:
+def _candidate_error(
+    q: NVFP4Quantizer, xf: torch.Tensor, xs: torch.Tensor, tile, s_enc: torch.Tensor, s_b: torch.Tensor
+) -> torch.Tensor:
     """Per block, the error of quantizing ``xf`` (RNE) with block scales ``s_b``, measured in the
     S_enc-scaled space: ``e = e2m1_value * s_b - x * S_enc`` (both products exact / rounded once),
     ``|e|`` ("mae") or ``e * e`` ("mse"), summed in ``_bits.block_sum``'s order."""
@@ -168,60 +182,61 @@ def _amax_field_shape(q: NVFP4Quantizer, shape: tuple[int, int], direction: str)
 @register(NVFP4Quantizer)
 class NVFP4Codec(Codec):
     name = "nvfp4"
+    q: NVFP4Quantizer
 
-    @classmethod
-    def tile(cls, q: NVFP4Quantizer, direction: str, shape: tuple[int, int]) -> tuple[int, int] | None:
-        return q.tile(direction)
+    def __init__(self, q: NVFP4Quantizer, direction: str):
+        super().__init__(q, direction)
+        self.hadamard = q.hadamard(direction)
+        if self.hadamard:  # the same codes, read without T^T (built once: GEMMs read wgrad operands rotated)
+            self._unrotated = NVFP4Codec(dataclasses.replace(q, random_hadamard=False), direction)
 
-    @classmethod
-    def fields(cls, q: NVFP4Quantizer, direction: str) -> dict[str, int | None]:
+    def tile(self, shape: tuple[int, int]) -> tuple[int, int] | None:
+        return self.q.tile(self.direction)
+
+    def fields(self) -> dict[str, int | None]:
         # row_scaled: rowwise amaxes are one per row; columnwise ones cover every row (shared by slices)
-        return {"data": 1, "scale": q.tile(direction)[0], "amax": 1 if q.row_scaled and direction == ROWWISE else None}
+        q, d = self.q, self.direction
+        return {"data": 1, "scale": q.tile(d)[0], "amax": 1 if q.row_scaled and d == ROWWISE else None}
 
-    @classmethod
-    def check_shape(cls, q: NVFP4Quantizer, shape: tuple[int, int], direction: str) -> None:
+    def check_shape(self, shape: tuple[int, int]) -> None:
+        q, d = self.q, self.direction
         m, k = shape
         if k % BLOCK:
-            raise shape_error(q, shape, direction, f"K (last dim) = {k} must be a multiple of {BLOCK}")
-        if q.tile(direction)[0] == BLOCK and m % BLOCK:
+            raise shape_error(q, shape, d, f"K (last dim) = {k} must be a multiple of {BLOCK}")
+        if q.tile(d)[0] == BLOCK and m % BLOCK:
             why = "16x16 blocks" if q.block == (16, 16) else "the columnwise direction (blocks along M)"
-            raise shape_error(q, shape, direction, f"M (leading dims) = {m} must be a multiple of {BLOCK} for {why}")
+            raise shape_error(q, shape, d, f"M (leading dims) = {m} must be a multiple of {BLOCK} for {why}")
 
-    @classmethod
-    def needs_amax(cls, q: NVFP4Quantizer, direction: str) -> bool:
-        return not (q.row_scaled and direction == ROWWISE)  # a row's own amax needs nothing from other rows
+    def needs_amax(self) -> bool:
+        return not (self.q.row_scaled and self.direction == ROWWISE)  # a row's own amax needs nothing from other rows
 
-    @classmethod
-    def amax_shape(cls, q: NVFP4Quantizer, direction: str, shape: tuple[int, int]) -> tuple[int, ...]:
-        return _amax_field_shape(q, shape, direction)
+    def amax_shape(self, shape: tuple[int, int]) -> tuple[int, ...]:
+        return _amax_field_shape(self.q, shape, self.direction)
 
-    @classmethod
-    def scales_from_block_amax(cls, q: NVFP4Quantizer, direction: str) -> bool:
-        return not q.four_over_six  # 4/6 compares the errors of every value of a block
+    def scales_from_block_amax(self) -> bool:
+        return not self.q.four_over_six  # 4/6 compares the errors of every value of a block
 
-    @classmethod
-    def column_shardable(cls, q: NVFP4Quantizer, direction: str) -> bool:
-        return not q.row_scaled  # per-row scales span K; per-column ones are fields shared by all rows
+    def column_shardable(self) -> bool:
+        return not self.q.row_scaled  # per-row scales span K; per-column ones are fields shared by all rows
 
-    @classmethod
-    def local_amax(cls, q: NVFP4Quantizer, x: torch.Tensor, direction: str) -> torch.Tensor:
+    def local_amax(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q
         xf = x.float()
-        if q.hadamard(direction):
+        if self.hadamard:
             xf = _bits.hadamard_rows(xf, q.hadamard_seed)
         if q.row_scaled:
-            return _bits.axis_amax(xf, 0 if direction == COLUMNWISE else 1)
+            return _bits.axis_amax(xf, 0 if self.direction == COLUMNWISE else 1)
         if x.numel() == 0:
             return torch.zeros((), device=x.device)
         return xf.abs().amax()
 
-    @classmethod
-    def uses_rng(cls, q: NVFP4Quantizer, direction: str) -> bool:
-        return q.stochastic_rounding
+    def uses_rng(self) -> bool:
+        return self.q.stochastic_rounding
 
-    @classmethod
-    def quantize(cls, q: NVFP4Quantizer, x: torch.Tensor, direction: str, amax: torch.Tensor | None, seed: torch.Tensor | None) -> Payload:
+    def quantize(self, x: torch.Tensor, amax: torch.Tensor | None = None, seed: torch.Tensor | None = None) -> Payload:
+        q, direction = self.q, self.direction
         xf = x.float()
-        if q.hadamard(direction):
+        if self.hadamard:
             xf = _bits.hadamard_rows(xf, q.hadamard_seed)
         if amax is None:  # row_scaled rowwise: every row's own amax
             amax = _bits.axis_amax(xf, 1)
@@ -242,82 +257,81 @@ class NVFP4Codec(Codec):
         codes = torch.where(zero_block, torch.zeros_like(codes), codes)
         return {"data": _bits.pack_nibbles(codes), "scale": s_b, "amax": _bits.canonical_nan(amax)}
 
-    @classmethod
-    def kernel_spec(cls, q: NVFP4Quantizer, direction: str, shape: tuple[int, int], dtype: torch.dtype) -> kernels.KernelSpec:
+    def kernel_spec(self, shape: tuple[int, int], dtype: torch.dtype) -> kernels.KernelSpec:
+        q, direction = self.q, self.direction
         br, bc = q.tile(direction)
-        fields = (("data", (shape[0], shape[1] // 2), torch.uint8),
-                  ("scale", (shape[0] // br, shape[1] // bc), torch.float8_e4m3fn),
-                  ("amax", _amax_field_shape(q, shape, direction), torch.float32))
+        fields = (
+            ("data", (shape[0], shape[1] // 2), torch.uint8),
+            ("scale", (shape[0] // br, shape[1] // bc), torch.float8_e4m3fn),
+            ("amax", _amax_field_shape(q, shape, direction), torch.float32),
+        )
         vector = ("rows" if direction == ROWWISE else "cols") if q.row_scaled else None
-        return kernels.KernelSpec(kernels.NVFP4, (br, bc), fields, stochastic=q.stochastic_rounding,
-                                  stream=0 if br == bc or direction == ROWWISE else 1,
-                                  hadamard_signs=_signs_mask(q.hadamard_seed) if q.hadamard(direction) else None,
-                                  amax_vector=vector, row_scaled=q.row_scaled,
-                                  four_over_six=1 + ERROR_MODES.index(q.four_over_six_error) if q.four_over_six else 0,
-                                  e4m3_max=_e4m3_code(q.e4m3_max))
+        return kernels.KernelSpec(
+            kernels.NVFP4,
+            (br, bc),
+            fields,
+            stochastic=q.stochastic_rounding,
+            stream=0 if br == bc or direction == ROWWISE else 1,
+            hadamard_signs=_signs_mask(q.hadamard_seed) if self.hadamard else None,
+            amax_vector=vector,
+            row_scaled=q.row_scaled,
+            four_over_six=1 + ERROR_MODES.index(q.four_over_six_error) if q.four_over_six else 0,
+            e4m3_max=_e4m3_code(q.e4m3_max),
+        )
 
-    @classmethod
-    def dequantize(cls, q: NVFP4Quantizer, payload: Payload, direction: str, shape: tuple[int, int]) -> torch.Tensor:
-        if (out := cls.kernel_dequantize(q, payload, direction, shape)) is not None:
-            return out
-        out = cls._block_values(q, payload, direction, shape) / global_scale(payload["amax"], q)
-        return _bits.hadamard_rows(out, q.hadamard_seed, inverse=True) if q.hadamard(direction) else out
+    def _reference(self, payload: Payload, shape: tuple[int, int]) -> torch.Tensor:
+        out = self._block_values(payload, shape) / global_scale(payload["amax"], self.q)
+        return _bits.hadamard_rows(out, self.q.hadamard_seed, inverse=True) if self.hadamard else out
 
-    @classmethod
-    def dequantize_factored(cls, q: NVFP4Quantizer, payload: Payload, direction: str, shape: tuple[int, int],
-                            dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _factored(
+        self, payload: Payload, shape: tuple[int, int], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # The factor 1 / S_enc: 0-dim, or with row_scaled [M, 1] / [1, K], which lie along the
         # GEMM's output dims (the blocks run along the contraction) and so factor out of it.
-        vals = cls.kernel_dequantize(q, payload, direction, shape, factored=True, dtype=dtype)
+        vals = self._kernel(payload, shape, True, dtype)
         if vals is None:
-            vals = cls._block_values(q, payload, direction, shape)
-            if q.hadamard(direction):
-                vals = _bits.hadamard_rows(vals, q.hadamard_seed, inverse=True)
+            vals = self._block_values(payload, shape)
+            if self.hadamard:
+                vals = _bits.hadamard_rows(vals, self.q.hadamard_seed, inverse=True)
             vals = vals.to(dtype)
-        return vals, torch.reciprocal(global_scale(payload["amax"], q))
+        return vals, torch.reciprocal(global_scale(payload["amax"], self.q))
 
-    @classmethod
-    def exact_dtype(cls, q: NVFP4Quantizer, payload: Payload, direction: str, rotated: bool = False) -> torch.dtype:
+    def exact_dtype(self, payload: Payload, rotated: bool = False) -> torch.dtype:
         # e2m1 (2 significant bits) * e4m3 (4): exact in bf16; the inverse Hadamard is not
-        return torch.bfloat16 if rotated or not q.hadamard(direction) else torch.float32
+        return torch.bfloat16 if rotated or not self.hadamard else torch.float32
 
-    @classmethod
-    def rotation(cls, q: NVFP4Quantizer, direction: str):
-        return ("hadamard16", q.hadamard_seed) if q.hadamard(direction) else None
+    def rotation(self):
+        return ("hadamard16", self.q.hadamard_seed) if self.hadamard else None
 
-    @classmethod
-    def dequantize_rotated(cls, q: NVFP4Quantizer, payload: Payload, direction: str, shape: tuple[int, int],
-                           dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if not q.hadamard(direction):
-            return cls.dequantize_factored(q, payload, direction, shape, dtype)
-        plain = dataclasses.replace(q, random_hadamard=False)  # the same codes, read without T^T
-        vals = cls.kernel_dequantize(plain, payload, direction, shape, factored=True, dtype=dtype)
+    def _rotated(
+        self, payload: Payload, shape: tuple[int, int], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.hadamard:
+            return self._factored(payload, shape, dtype)
+        vals = self._unrotated._kernel(payload, shape, True, dtype)
         if vals is None:
-            vals = cls._block_values(q, payload, direction, shape).to(dtype)
-        return vals, torch.reciprocal(global_scale(payload["amax"], q))
+            vals = self._block_values(payload, shape).to(dtype)
+        return vals, torch.reciprocal(global_scale(payload["amax"], self.q))
 
-    @staticmethod
-    def _block_values(q, payload, direction, shape):
+    def _block_values(self, payload: Payload, shape: tuple[int, int]) -> torch.Tensor:
         vals = _bits.e2m1_decode(_bits.unpack_nibbles(payload["data"]))
-        return vals * _bits.expand_blocks(payload["scale"].to(torch.float32), q.tile(direction), shape)
+        return vals * _bits.expand_blocks(payload["scale"].to(torch.float32), self.q.tile(self.direction), shape)
 
-    @classmethod
-    def empty(cls, q: NVFP4Quantizer, shape: tuple[int, int], direction: str, device: torch.device, dtype: torch.dtype) -> Payload:
-        br, bc = q.tile(direction)
-        return {"data": torch.zeros((shape[0], shape[1] // 2), dtype=torch.uint8, device=device),
-                "scale": torch.zeros((shape[0] // br, shape[1] // bc), dtype=torch.float8_e4m3fn, device=device),
-                "amax": torch.zeros(_amax_field_shape(q, shape, direction), dtype=torch.float32, device=device)}
+    def empty(self, shape: tuple[int, int], device: torch.device, dtype: torch.dtype) -> Payload:
+        br, bc = self.q.tile(self.direction)
+        return {
+            "data": torch.zeros((shape[0], shape[1] // 2), dtype=torch.uint8, device=device),
+            "scale": torch.zeros((shape[0] // br, shape[1] // bc), dtype=torch.float8_e4m3fn, device=device),
+            "amax": torch.zeros(_amax_field_shape(self.q, shape, self.direction), dtype=torch.float32, device=device),
+        }
 
-    @classmethod
-    def amax_space(cls, q: NVFP4Quantizer, direction: str) -> str:
-        return "hadamard(x)" if q.hadamard(direction) else "x"
+    def amax_space(self) -> str:
+        return "hadamard(x)" if self.hadamard else "x"
 
-    @classmethod
-    def reusable_amax(cls, q: NVFP4Quantizer, payload: Payload, src: str, dst: str) -> torch.Tensor | None:
-        if q.row_scaled:
+    def reusable_amax(self, payload: Payload, src: str) -> torch.Tensor | None:
+        if self.q.row_scaled:
             return None  # per-row amaxes of one direction are not the per-column ones of the other
-        return super().reusable_amax(q, payload, src, dst)
+        return super().reusable_amax(payload, src)
 
-    @classmethod
-    def identical_directions(cls, q: NVFP4Quantizer) -> bool:
-        return q.block == (16, 16)
+    def identical_directions(self) -> bool:
+        return self.q.block == (16, 16)

@@ -17,9 +17,11 @@ def check_master_weights(who: str, model: torch.nn.Module, optimizers: Iterable[
     quantized = [n for n, p in model.named_parameters() if _is_quantized(p)]
     plain = [o for o in optimizers if not isinstance(o, MasterWeightOptimizer)]
     if quantized and plain:
-        raise ValueError(f"{who}: {quantized[0]} (and {len(quantized) - 1} more) are quantized parameters, stepped by "
-                         f"{type(plain[0]).__name__}, which would round small updates away; step them with "
-                         "dtq.optim.MasterWeightOptimizer(model.parameters(), torch.optim.AdamW, lr=...)")
+        raise ValueError(
+            f"{who}: {quantized[0]} (and {len(quantized) - 1} more) are quantized parameters, stepped by "
+            f"{type(plain[0]).__name__}, which would round small updates away; step them with "
+            "dtq.optim.MasterWeightOptimizer(model.parameters(), torch.optim.AdamW, lr=...)"
+        )
 
 
 def precompute_after_steps(optimizer: torch.optim.Optimizer, models: Iterable[torch.nn.Module]) -> Callable[[], None]:

@@ -32,14 +32,17 @@ def _fsdp_world(accelerator: Accelerator) -> int:
     return config.dp_shard_size if config is not None and config.dp_shard_size > 1 else accelerator.num_processes
 
 
-def convert(accelerator: Accelerator, model: torch.nn.Module, recipe: Recipe | str, **convert_kwargs: Any) -> \
-        torch.nn.Module:
+def convert(
+    accelerator: Accelerator, model: torch.nn.Module, recipe: Recipe | str, **convert_kwargs: Any
+) -> torch.nn.Module:
     """``dtq.convert(model, recipe=recipe, ...)`` with the shape check sized to the FSDP sharding
     ``accelerator.prepare`` will apply; build the optimizer on the returned model's parameters."""
     if accelerator.mixed_precision == "fp8":
-        raise ValueError("dtq.integrations.accelerate.convert: Accelerator(mixed_precision='fp8') converts the same "
-                         "Linear layers with TransformerEngine / torchao / MS-AMP; dtq quantizes them itself, so "
-                         "use mixed_precision='no' or 'bf16' with dtq")
+        raise ValueError(
+            "dtq.integrations.accelerate.convert: Accelerator(mixed_precision='fp8') converts the same "
+            "Linear layers with TransformerEngine / torchao / MS-AMP; dtq quantizes them itself, so "
+            "use mixed_precision='no' or 'bf16' with dtq"
+        )
     convert_kwargs.setdefault("fsdp_world", _fsdp_world(accelerator))
     return dtq.convert(model, recipe=as_recipe(recipe), **convert_kwargs)
 

@@ -37,8 +37,14 @@ class DtqPrecision(Precision):
 
     precision = "32-true"
 
-    def __init__(self, recipe: Recipe | str, *, quantized_params: bool = False,
-                 module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = None, strict: bool = False):
+    def __init__(
+        self,
+        recipe: Recipe | str,
+        *,
+        quantized_params: bool = False,
+        module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = None,
+        strict: bool = False,
+    ):
         self.recipe = as_recipe(recipe)
         self.quantized_params, self.module_filter_fn, self.strict = quantized_params, module_filter_fn, strict
         self._converted: weakref.WeakSet = weakref.WeakSet()
@@ -47,15 +53,21 @@ class DtqPrecision(Precision):
         """``dtq.convert`` the module once (later calls find it converted and return it)."""
         if module in self._converted:
             return module
-        module = dtq.convert(module, recipe=self.recipe, quantized_params=self.quantized_params,
-                             module_filter_fn=self.module_filter_fn, strict=self.strict)
+        module = dtq.convert(
+            module,
+            recipe=self.recipe,
+            quantized_params=self.quantized_params,
+            module_filter_fn=self.module_filter_fn,
+            strict=self.strict,
+        )
         self._converted.add(module)
         return module
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         dist = torch.distributed
-        group = dist.group.WORLD if self.recipe.delayed and dist.is_initialized() and dist.get_world_size() > 1 \
-            else None
+        group = (
+            dist.group.WORLD if self.recipe.delayed and dist.is_initialized() and dist.get_world_size() > 1 else None
+        )
         return dtq.autocast(self.recipe, amax_group=group)
 
     def connect(self, model: torch.nn.Module, optimizers: list, lr_schedulers: list) -> tuple:

@@ -89,13 +89,17 @@ class DtqLinear(Linear, Module):
         ``fully_shard``, whose gathers dtq quantizes."""
         backend = getattr(parallel_dims, "spmd_backend", "partial_dtensor")
         if self._sharding_config is not None and (backend != "partial_dtensor" or parallel_dims.tp_enabled):
-            why = f"tensor_parallel_degree={parallel_dims.tp}" if parallel_dims.tp_enabled else \
-                f"spmd_backend={backend!r}"
+            why = (
+                f"tensor_parallel_degree={parallel_dims.tp}"
+                if parallel_dims.tp_enabled
+                else f"spmd_backend={backend!r}"
+            )
             raise NotImplementedError(
                 f"dtq.integrations.torchtitan: {self.name or 'a DtqLinear'} would be sharded by torchtitan's sharding "
                 f"config ({why}), which dtq does not support yet; set parallelism.spmd_backend = 'partial_dtensor' "
                 "and tensor_parallel_degree = 1 (FSDP2 / HSDP shard it, gathering quantized), or keep the layer "
-                "out with DtqConverter.Config(filter_fqns=[...])")
+                "out with DtqConverter.Config(filter_fqns=[...])"
+            )
         Module.parallelize(self, parallel_dims)
 
 
@@ -141,14 +145,21 @@ class DtqConverter(ModelConfigConverter):
             if _convertible(sub) == "not a Linear":
                 continue
             reason = f"{FILTERED} (filter_fqns)" if any(f in fqn for f in cfg.filter_fqns) else _convertible(sub)
-            reason = reason or linear_problem(self.recipe, fqn, sub.out_features, sub.in_features,
-                                              fsdp_world=self.fsdp_world)
+            reason = reason or linear_problem(
+                self.recipe, fqn, sub.out_features, sub.in_features, fsdp_world=self.fsdp_world
+            )
             if reason is not None:
                 skipped[fqn] = reason
                 continue
-            new = DtqLinear.Config(in_features=sub.in_features, out_features=sub.out_features, bias=sub.bias,
-                                   param_init=sub.param_init, sharding_config=sub.sharding_config,
-                                   recipe=cfg.recipe, name=fqn)
+            new = DtqLinear.Config(
+                in_features=sub.in_features,
+                out_features=sub.out_features,
+                bias=sub.bias,
+                param_init=sub.param_init,
+                sharding_config=sub.sharding_config,
+                recipe=cfg.recipe,
+                name=fqn,
+            )
             swaps.append((parent, attr, new))
             converted.append(fqn)
         report = ConvertReport(tuple(converted), skipped, self.recipe, self.fsdp_world)
@@ -167,11 +178,16 @@ class DtqConverter(ModelConfigConverter):
 
 def _bound_recipe(part: torch.nn.Module) -> Recipe | None:
     """The one recipe the converter bound to ``part``'s dtq modules (None: it converted none)."""
-    recipes = {m.gemm_state.default_recipe for m in part.modules()
-               if isinstance(m, QuantizedModule) and m.gemm_state.default_recipe is not None}
+    recipes = {
+        m.gemm_state.default_recipe
+        for m in part.modules()
+        if isinstance(m, QuantizedModule) and m.gemm_state.default_recipe is not None
+    }
     if len(recipes) > 1:
-        raise ValueError(f"dtq.integrations.torchtitan: one model part holds dtq modules bound to {len(recipes)} "
-                         "recipes; apply one DtqConverter per model")
+        raise ValueError(
+            f"dtq.integrations.torchtitan: one model part holds dtq modules bound to {len(recipes)} "
+            "recipes; apply one DtqConverter per model"
+        )
     return next(iter(recipes), None)
 
 
@@ -188,8 +204,9 @@ def _autocast_forward(part: torch.nn.Module, recipe: Recipe, amax_group: Any) ->
     part.forward = forward_under_autocast
 
 
-def post_optimizer_build_fn(optimizers: torch.optim.Optimizer, model_parts: list[torch.nn.Module],
-                            parallel_dims: Any = None) -> None:
+def post_optimizer_build_fn(
+    optimizers: torch.optim.Optimizer, model_parts: list[torch.nn.Module], parallel_dims: Any = None
+) -> None:
     """torchtitan's ``ModelSpec.post_optimizer_build_fn``. For each model part with dtq modules:
     its forward runs inside ``dtq.autocast`` of the converter's recipe (a delayed-scaling recipe
     with ``amax_group`` the data-parallel x context-parallel group, torchtitan's "loss" mesh, so

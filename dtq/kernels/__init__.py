@@ -37,8 +37,19 @@ INPUT_DTYPES = tuple(_DTYPE_CODE)
 # The repository's csrc/ (a checkout or an editable install), else the copy a wheel carries.
 _PACKAGE = Path(__file__).resolve().parents[1]  # dtq/
 CSRC = next((d for d in (_PACKAGE.parent / "csrc", _PACKAGE / "_csrc") if d.is_dir()), _PACKAGE / "_csrc")
-SOURCES = ("bindings.cpp", "quantize.cu", "quantize_fast_bf16.cu", "quantize_fast_f16.cu", "quantize_fast_f32.cu", "amax.cu",
-           "dequantize.cu", "transpose.cu", "swiglu.cu", "epilogue.cu", "quantize_alloc.cpp")
+SOURCES = (
+    "bindings.cpp",
+    "quantize.cu",
+    "quantize_fast_bf16.cu",
+    "quantize_fast_f16.cu",
+    "quantize_fast_f32.cu",
+    "amax.cu",
+    "dequantize.cu",
+    "transpose.cu",
+    "swiglu.cu",
+    "epilogue.cu",
+    "quantize_alloc.cpp",
+)
 # fp32 arithmetic must stay exactly the references': no FMA contraction, no fast math.
 CUDA_FLAGS = ("-O3", "-fmad=false", "-gencode=arch=compute_90,code=[sm_90,compute_90]", "-std=c++17")
 
@@ -81,9 +92,22 @@ class KernelSpec:
 
     @functools.cached_property
     def _config(self) -> tuple[int, ...]:  # asked at every launch: computed once per spec
-        return (self.kind, self.block[0], self.block[1], int(self.e5m2), int(self.pow2), int(self.floor),
-                int(self.stochastic), self.stream, int(self.hadamard_signs is not None), self.hadamard_signs or 0,
-                _DTYPE_CODE.get(self.out_dtype, 0), int(self.row_scaled), self.four_over_six, self.e4m3_max)
+        return (
+            self.kind,
+            self.block[0],
+            self.block[1],
+            int(self.e5m2),
+            int(self.pow2),
+            int(self.floor),
+            int(self.stochastic),
+            self.stream,
+            int(self.hadamard_signs is not None),
+            self.hadamard_signs or 0,
+            _DTYPE_CODE.get(self.out_dtype, 0),
+            int(self.row_scaled),
+            self.four_over_six,
+            self.e4m3_max,
+        )
 
     def config(self) -> list[int]:
         return list(self._config)
@@ -120,12 +144,20 @@ def _load(verbose: bool = False):
 
     missing = [s for s in SOURCES if not (CSRC / s).is_file()]
     if missing:
-        raise RuntimeError(f"CUDA sources not found in {CSRC} (missing {missing}): reinstall dtq from a "
-                           "checkout or a wheel built by its setup.py, which copies csrc/ into dtq/_csrc")
+        raise RuntimeError(
+            f"CUDA sources not found in {CSRC} (missing {missing}): reinstall dtq from a "
+            "checkout or a wheel built by its setup.py, which copies csrc/ into dtq/_csrc"
+        )
     d = build_dir()
     d.mkdir(parents=True, exist_ok=True)
-    return load(name="dtq_kernels", sources=[str(CSRC / s) for s in SOURCES], extra_cflags=["-O3", "-std=c++17"],
-                extra_cuda_cflags=list(CUDA_FLAGS), build_directory=str(d), verbose=verbose)
+    return load(
+        name="dtq_kernels",
+        sources=[str(CSRC / s) for s in SOURCES],
+        extra_cflags=["-O3", "-std=c++17"],
+        extra_cuda_cflags=list(CUDA_FLAGS),
+        build_directory=str(d),
+        verbose=verbose,
+    )
 
 
 def _needs_build() -> bool:
@@ -150,8 +182,10 @@ def _load_announced(verbose: bool):
     look hung for about a minute."""
     if not _needs_build():
         return _load(verbose)
-    _say(f"compiling the CUDA kernels into {build_dir()} (once per Python, torch and CUDA version; about a "
-         "minute). `python -m dtq.kernels build` does this ahead of time.")
+    _say(
+        f"compiling the CUDA kernels into {build_dir()} (once per Python, torch and CUDA version; about a "
+        "minute). `python -m dtq.kernels build` does this ahead of time."
+    )
     start = time.perf_counter()
     ext = _load(verbose)
     _say(f"CUDA kernels built in {time.perf_counter() - start:.0f} s")
@@ -170,8 +204,12 @@ def extension(verbose: bool = False):
             except Exception as e:  # noqa: BLE001 - any build/import failure means "use the references"
                 _error = f"{type(e).__name__}: {e}"
                 head = "\n".join(str(e).strip().splitlines()[:12])
-                warnings.warn(f"dtq CUDA kernels are unavailable, quantization falls back to the PyTorch "
-                              f"references (slower, same bits). Build error:\n{head}", RuntimeWarning, stacklevel=3)
+                warnings.warn(
+                    f"dtq CUDA kernels are unavailable, quantization falls back to the PyTorch "
+                    f"references (slower, same bits). Build error:\n{head}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
     return _ext
 
 
@@ -179,7 +217,7 @@ def build_error() -> str | None:
     return _error
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
@@ -244,8 +282,15 @@ def axis_amax(x: torch.Tensor, rows: bool, cols: bool) -> tuple[torch.Tensor | N
 
 
 # Payload field dtypes and amax modes of quantize_alloc (csrc/quantize_alloc.cpp mirrors both).
-_FIELD_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.uint8: 3, torch.float8_e4m3fn: 4,
-                 torch.float8_e5m2: 5, torch.int32: 6}
+_FIELD_DTYPES = {
+    torch.float32: 0,
+    torch.bfloat16: 1,
+    torch.float16: 2,
+    torch.uint8: 3,
+    torch.float8_e4m3fn: 4,
+    torch.float8_e5m2: 5,
+    torch.int32: 6,
+}
 AMAX_GIVEN, AMAX_X, AMAX_HADAMARD, AMAX_ROWS, AMAX_COLS = 0, 1, 2, 3, 4
 _NO_SLOT = [NONE] + [0] * (_CONFIG_LEN - 1)
 
@@ -267,8 +312,9 @@ class QuantizeLaunch:
         self.names = tuple(tuple(name for name, _, _ in s.fields) for s in specs.values())
         self.count = len(self.names[0]) if self.names else 0
         self.cfgs = [s.config() for s in specs.values()] + [_NO_SLOT] * (2 - len(specs))
-        self.fields = [[v for _, shape, dt in s.fields for v in (len(shape), *shape, _FIELD_DTYPES[dt])]
-                       for s in specs.values()] + [[]] * (2 - len(specs))
+        self.fields = [
+            [v for _, shape, dt in s.fields for v in (len(shape), *shape, _FIELD_DTYPES[dt])] for s in specs.values()
+        ] + [[]] * (2 - len(specs))
         self.vectors = {d: s.amax_vector for d, s in specs.items() if s.amax_vector}
         modes = []
         for d, s in specs.items():
@@ -303,8 +349,19 @@ class QuantizeLaunch:
             raise ValueError("stochastic rounding needs a seed tensor")
         elif seed.device != x.device or seed.dtype != torch.int64 or seed.dim():
             seed = seed.to(device=x.device, dtype=torch.int64).reshape(())
-        outs = quantize_alloc(x, self.cfgs[0], self.fields[0], amaxes[0], modes[0], self.cfgs[1], self.fields[1],
-                              amaxes[1], modes[1], self.signs, seed)
+        outs = quantize_alloc(
+            x,
+            self.cfgs[0],
+            self.fields[0],
+            amaxes[0],
+            modes[0],
+            self.cfgs[1],
+            self.fields[1],
+            amaxes[1],
+            modes[1],
+            self.signs,
+            seed,
+        )
         if not outs:
             return None
         n = self.count
@@ -320,8 +377,13 @@ def quantize_alloc(x: torch.Tensor, *args) -> list[torch.Tensor]:
     return extension().quantize_alloc(x, *args)
 
 
-def dequantize(spec: KernelSpec, payload: dict[str, torch.Tensor], shape: tuple[int, int],
-               factored: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+def dequantize(
+    spec: KernelSpec,
+    payload: dict[str, torch.Tensor],
+    shape: tuple[int, int],
+    factored: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor | None:
     """[M, K] values of one payload in ``dtype`` (fp32, or bf16: the RNE rounding of the fp32
     values), or None where no kernel applies (not CUDA, identity, another dtype)."""
     if dtype not in (torch.float32, torch.bfloat16):
@@ -336,10 +398,20 @@ def dequantize(spec: KernelSpec, payload: dict[str, torch.Tensor], shape: tuple[
     scale = None if spec.block == (0, 0) else payload[names[1]]
     tensor = payload[names[-1]].to(device=data.device, dtype=torch.float32).contiguous() if per_tensor else None
     out = torch.empty(shape, dtype=dtype, device=data.device)
-    cfg = [spec.kind, spec.block[0], spec.block[1], int(spec.e5m2), int(spec.hadamard_signs is not None),
-           spec.hadamard_signs or 0, int(factored), int(spec.row_scaled), spec.e4m3_max]
-    extension().dequantize(data.contiguous().view(torch.uint8),
-                           None if scale is None else scale.contiguous(), tensor, cfg, out)
+    cfg = [
+        spec.kind,
+        spec.block[0],
+        spec.block[1],
+        int(spec.e5m2),
+        int(spec.hadamard_signs is not None),
+        spec.hadamard_signs or 0,
+        int(factored),
+        int(spec.row_scaled),
+        spec.e4m3_max,
+    ]
+    extension().dequantize(
+        data.contiguous().view(torch.uint8), None if scale is None else scale.contiguous(), tensor, cfg, out
+    )
     return out
 
 
@@ -347,8 +419,15 @@ def transposed(x: torch.Tensor) -> torch.Tensor:
     """Contiguous ``[K, M]`` copy of the 2-D tensor ``x``. FP8 codes on the GPU (1-byte, both dims
     multiples of 16, aligned) take the tiled byte-transpose kernel; anything else torch's copy."""
     x = x.contiguous()
-    ok = (x.dim() == 2 and x.element_size() == 1 and x.is_cuda and x.shape[0] % 16 == 0 and x.shape[1] % 16 == 0
-          and x.data_ptr() % 16 == 0 and available(x.device))
+    ok = (
+        x.dim() == 2
+        and x.element_size() == 1
+        and x.is_cuda
+        and x.shape[0] % 16 == 0
+        and x.shape[1] % 16 == 0
+        and x.data_ptr() % 16 == 0
+        and available(x.device)
+    )
     if not ok:
         return x.t().contiguous()
     return extension().transposed_u8(x)
@@ -364,8 +443,9 @@ def swiglu(x: torch.Tensor, block: int, want_amax: bool = False) -> tuple[torch.
     return h, (None if buf is None else buf.view(torch.float32).reshape(()))
 
 
-def swiglu_backward(dh: torch.Tensor, x: torch.Tensor, block: int,
-                    want_amax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def swiglu_backward(
+    dh: torch.Tensor, x: torch.Tensor, block: int, want_amax: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradient of the [T, 2F] input of :func:`swiglu` from ``dh`` [T, F] (both contiguous);
     with ``want_amax``, also its max|.| (0-dim fp32)."""
     dx = torch.empty_like(x)
@@ -374,15 +454,23 @@ def swiglu_backward(dh: torch.Tensor, x: torch.Tensor, block: int,
     return dx, (None if buf is None else buf.view(torch.float32).reshape(()))
 
 
-def scale_cast(out: torch.Tensor, fa: torch.Tensor | None, fb: torch.Tensor | None,
-               dtype: torch.dtype) -> torch.Tensor | None:
+def scale_cast(
+    out: torch.Tensor, fa: torch.Tensor | None, fb: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor | None:
     """``((out * fa) * fb).to(dtype)`` for a contiguous fp32 CUDA ``out`` and 0-dim fp32 factors on
     its device (either None) in one pass; None where the kernel does not apply. With ``dtype``
     float32 the result is written into ``out`` itself (callers pass a buffer of their own)."""
-    factors_ok = all(f is None or (f.device == out.device and f.dtype == torch.float32 and f.numel() == 1)
-                     for f in (fa, fb))
-    if (not factors_ok or out.dtype != torch.float32 or dtype not in _DTYPE_CODE or not out.is_cuda
-            or not out.is_contiguous() or not available(out.device)):
+    factors_ok = all(
+        f is None or (f.device == out.device and f.dtype == torch.float32 and f.numel() == 1) for f in (fa, fb)
+    )
+    if (
+        not factors_ok
+        or out.dtype != torch.float32
+        or dtype not in _DTYPE_CODE
+        or not out.is_cuda
+        or not out.is_contiguous()
+        or not available(out.device)
+    ):
         return None
     dst = out if dtype == torch.float32 else torch.empty(out.shape, dtype=dtype, device=out.device)
     extension().scale_cast(out, fa, fb, dst)

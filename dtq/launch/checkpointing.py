@@ -130,8 +130,12 @@ def _split_model_state(model: torch.nn.Module) -> tuple[dict, dict]:
 
 def _state(model, optimizer, train_state: dict, device: torch.device, rank: int) -> dict:
     shared, own = _split_model_state(model)
-    return {"model": shared, "optim": optimizer.state_dict(), "train": dict(train_state),
-            f"rank{rank}": {"rng": _rng_state(device), "buffers": own}}
+    return {
+        "model": shared,
+        "optim": optimizer.state_dict(),
+        "train": dict(train_state),
+        f"rank{rank}": {"rng": _rng_state(device), "buffers": own},
+    }
 
 
 def _commit(tmp: pathlib.Path, final: pathlib.Path, token: str) -> None:
@@ -147,8 +151,16 @@ def _commit(tmp: pathlib.Path, final: pathlib.Path, token: str) -> None:
         tmp.rename(final)
 
 
-def save(out_dir: str | pathlib.Path, step: int, model, optimizer, train_state: dict, device: torch.device,
-         run_info: dict | None = None, keep: int = 0) -> pathlib.Path:
+def save(
+    out_dir: str | pathlib.Path,
+    step: int,
+    model,
+    optimizer,
+    train_state: dict,
+    device: torch.device,
+    run_info: dict | None = None,
+    keep: int = 0,
+) -> pathlib.Path:
     """Write a checkpoint of step ``step`` (a collective: every rank calls it) and return its
     directory. Everything, each rank's own entries included, goes into one temporary
     directory that rank 0 renames into place once every rank has written its part (with
@@ -181,8 +193,11 @@ def load(path: str | pathlib.Path, model, optimizer, device: torch.device) -> di
     # Delayed-scaling histories appear at a module's first forward: create the ones the
     # checkpoint has so that DCP has somewhere to load them.
     prefix = f"{source}.buffers."
-    buffers = {key[len(prefix):]: torch.zeros(md.size, dtype=md.properties.dtype, device=device)
-               for key, md in meta.items() if key.startswith(prefix)}
+    buffers = {
+        key[len(prefix) :]: torch.zeros(md.size, dtype=md.properties.dtype, device=device)
+        for key, md in meta.items()
+        if key.startswith(prefix)
+    }
     state = _state(model, optimizer, {"step": 0, "samples": 0, "world_size": 0}, device, rank)
     del state[f"rank{rank}"]
     if have_rank:
@@ -198,7 +213,10 @@ def load(path: str | pathlib.Path, model, optimizer, device: torch.device) -> di
         if device.type == "cuda" and "cuda" in state[source]["rng"]:
             torch.cuda.set_rng_state(state[source]["rng"]["cuda"], device)
     elif rank == 0:
-        warnings.warn(f"checkpoint {path} was written by {train_state['world_size']} ranks, this run has "
-                      f"{dist.get_world_size()}: model and optimizer are resharded, but the RNG streams (stochastic "
-                      "rounding seeds) restart, so the run is not bitwise the uninterrupted one", stacklevel=2)
+        warnings.warn(
+            f"checkpoint {path} was written by {train_state['world_size']} ranks, this run has "
+            f"{dist.get_world_size()}: model and optimizer are resharded, but the RNG streams (stochastic "
+            "rounding seeds) restart, so the run is not bitwise the uninterrupted one",
+            stacklevel=2,
+        )
     return train_state

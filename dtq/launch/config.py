@@ -69,15 +69,20 @@ class ModelConfig:
         if self.hidden % self.heads:
             raise ValueError(f"config: model.hidden = {self.hidden} must be a multiple of model.heads = {self.heads}")
         if (self.hidden // self.heads) % 2:
-            raise ValueError(f"config: the head size model.hidden / model.heads = {self.hidden // self.heads} must be "
-                             "even (rotary embeddings rotate pairs of features)")
+            raise ValueError(
+                f"config: the head size model.hidden / model.heads = {self.hidden // self.heads} must be "
+                "even (rotary embeddings rotate pairs of features)"
+            )
         if self.kv_heads is not None:
             if self.kind != "hf_llama":
-                raise ValueError("config: model.kv_heads (grouped-query attention) is only used by kind = \"hf_llama\"; "
-                                 "the dtq decoder has one fused QKV projection with kv_heads = heads")
+                raise ValueError(
+                    'config: model.kv_heads (grouped-query attention) is only used by kind = "hf_llama"; '
+                    "the dtq decoder has one fused QKV projection with kv_heads = heads"
+                )
             if self.heads % self.kv_heads:
-                raise ValueError(f"config: model.heads = {self.heads} must be a multiple of model.kv_heads = "
-                                 f"{self.kv_heads}")
+                raise ValueError(
+                    f"config: model.heads = {self.heads} must be a multiple of model.kv_heads = {self.kv_heads}"
+                )
 
 
 @config_dataclass
@@ -130,8 +135,10 @@ class TrainConfig:
 
         check_recipe_name(self.recipe)
         if self.quantized_params and self.recipe == "bf16":
-            raise ValueError("config: train.quantized_params = true needs a quantizing recipe to store the weights "
-                             "in; recipe \"bf16\" keeps everything in high precision")
+            raise ValueError(
+                "config: train.quantized_params = true needs a quantizing recipe to store the weights "
+                'in; recipe "bf16" keeps everything in high precision'
+            )
 
 
 @config_dataclass
@@ -203,7 +210,9 @@ def _one_line(error: dict) -> str:
     if error["type"] == "unexpected_keyword_argument":
         what, owner = ("table", Config) if len(loc) == 1 else ("key", _SECTIONS[loc[0]])
         valid = ", ".join(f.name for f in dataclasses.fields(owner))
-        return f"config: unknown {what} {'.'.join(loc)}; valid {what}s{'' if len(loc) == 1 else ' of ' + loc[0]}: {valid}"
+        return (
+            f"config: unknown {what} {'.'.join(loc)}; valid {what}s{'' if len(loc) == 1 else ' of ' + loc[0]}: {valid}"
+        )
     return f"config: {'.'.join(loc)} = {error['input']!r}: {error['msg']}"
 
 

@@ -42,7 +42,7 @@ def load_corpus(max_bytes: int) -> torch.Tensor:
             data = path.read_bytes()
         except OSError:
             continue  # an unreadable file: the rest of the corpus is still deterministic on this machine
-        chunks.append(data[:max_bytes - total])
+        chunks.append(data[: max_bytes - total])
         total += len(chunks[-1])
         if total >= max_bytes:
             break
@@ -58,8 +58,10 @@ class ByteWindows:
         self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
         self.count = (tokens.numel() - 1) // seq_len
         if self.count < 1:
-            raise ValueError(f"data: {tokens.numel()} bytes do not fill one window of {seq_len + 1}; raise "
-                             "data.max_bytes or lower model.seq_len")
+            raise ValueError(
+                f"data: {tokens.numel()} bytes do not fill one window of {seq_len + 1}; raise "
+                "data.max_bytes or lower model.seq_len"
+            )
         self._perm_epoch, self._perm = -1, None
 
     def _window(self, i: int) -> int:
@@ -71,13 +73,18 @@ class ByteWindows:
 
     def batch(self, start: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples ``[start, start + size)``: inputs and next-byte targets, int64 ``[size, seq_len]``."""
-        rows = torch.stack([self.tokens[w * self.seq_len: w * self.seq_len + self.seq_len + 1]
-                            for w in map(self._window, range(start, start + size))]).long()
+        rows = torch.stack(
+            [
+                self.tokens[w * self.seq_len : w * self.seq_len + self.seq_len + 1]
+                for w in map(self._window, range(start, start + size))
+            ]
+        ).long()
         return rows[:, :-1], rows[:, 1:]
 
 
-def splits(max_bytes: int, val_fraction: float, seq_len: int, seed: int,
-           chunk: int = 4096) -> tuple[ByteWindows, ByteWindows]:
+def splits(
+    max_bytes: int, val_fraction: float, seq_len: int, seed: int, chunk: int = 4096
+) -> tuple[ByteWindows, ByteWindows]:
     """(train, validation) windows. Every ``1 / val_fraction``-th chunk of ``chunk`` bytes is held
     out, so validation text comes from the same files as training text, not from one corner of
     the library. Validation batches are a fixed function of the seed too (the same every eval),
@@ -87,7 +94,9 @@ def splits(max_bytes: int, val_fraction: float, seq_len: int, seed: int,
     pieces = tokens.split(chunk)
     val = [c for i, c in enumerate(pieces) if i % period == period - 1]
     if not val:
-        raise ValueError(f"data: {tokens.numel()} bytes hold no validation chunk (every {period}th chunk of "
-                         f"{chunk} bytes); raise data.max_bytes or data.val_fraction")
+        raise ValueError(
+            f"data: {tokens.numel()} bytes hold no validation chunk (every {period}th chunk of "
+            f"{chunk} bytes); raise data.max_bytes or data.val_fraction"
+        )
     train = torch.cat([c for i, c in enumerate(pieces) if i % period != period - 1])
     return ByteWindows(train, seq_len, seed), ByteWindows(torch.cat(val), seq_len, seed)

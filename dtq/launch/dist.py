@@ -25,7 +25,7 @@ import re
 import shutil
 import socket
 import subprocess
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -99,8 +99,9 @@ def slurm_master_addr(env: Mapping[str, str]) -> str:
     scontrol = shutil.which("scontrol")
     if scontrol:
         try:
-            out = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True,
-                                 check=True, timeout=30).stdout.split()
+            out = subprocess.run(
+                [scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, check=True, timeout=30
+            ).stdout.split()
             if out:
                 return out[0]
         except (subprocess.SubprocessError, OSError):
@@ -135,22 +136,42 @@ def detect(env: Mapping[str, str], launcher: str = "auto") -> DistEnv:
     kind = which_launcher(env) if launcher == "auto" else launcher
     if kind == "torchrun":
         world = _int(env, "WORLD_SIZE")
-        return DistEnv("torchrun", _int(env, "RANK"), world, _int(env, "LOCAL_RANK", 0),
-                       _int(env, "LOCAL_WORLD_SIZE", world), env.get("MASTER_ADDR") or "127.0.0.1",
-                       _int(env, "MASTER_PORT", DEFAULT_PORT))
+        return DistEnv(
+            "torchrun",
+            _int(env, "RANK"),
+            world,
+            _int(env, "LOCAL_RANK", 0),
+            _int(env, "LOCAL_WORLD_SIZE", world),
+            env.get("MASTER_ADDR") or "127.0.0.1",
+            _int(env, "MASTER_PORT", DEFAULT_PORT),
+        )
     if kind == "slurm":
         world = _int(env, "SLURM_STEP_NUM_TASKS", _int(env, "SLURM_NTASKS", 1))
-        return DistEnv("slurm", _int(env, "SLURM_PROCID"), world, _int(env, "SLURM_LOCALID", 0),
-                       _tasks_per_node(env, world), slurm_master_addr(env), slurm_master_port(env))
+        return DistEnv(
+            "slurm",
+            _int(env, "SLURM_PROCID"),
+            world,
+            _int(env, "SLURM_LOCALID", 0),
+            _tasks_per_node(env, world),
+            slurm_master_addr(env),
+            slurm_master_port(env),
+        )
     if kind == "mpi":
-        rank = next((_int(env, v) for v in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
-                     if v in env), 0)
+        rank = next(
+            (
+                _int(env, v)
+                for v in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
+                if v in env
+            ),
+            0,
+        )
         world = next((_int(env, v) for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE") if v in env), 1)
         local = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", _int(env, "MPI_LOCALRANKID", 0))
         local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", world)
         addr = env.get("MASTER_ADDR") or None
-        return DistEnv("mpi", rank, world, local, local_world, addr,
-                       _int(env, "MASTER_PORT", DEFAULT_PORT) if addr else None)
+        return DistEnv(
+            "mpi", rank, world, local, local_world, addr, _int(env, "MASTER_PORT", DEFAULT_PORT) if addr else None
+        )
     return DistEnv("single", 0, 1, 0, 1, None, None)
 
 
@@ -167,8 +188,10 @@ def _mpi_env(denv: DistEnv) -> DistEnv:
     try:
         from mpi4py import MPI
     except ImportError:
-        raise RuntimeError("launch: started under MPI but mpi4py is not installed; `pip install mpi4py` (or the "
-                           "project's extra: pip install 'dtq[mpi]'), or start with torchrun") from None
+        raise RuntimeError(
+            "launch: started under MPI but mpi4py is not installed; `pip install mpi4py` (or the "
+            "project's extra: pip install 'dtq[mpi]'), or start with torchrun"
+        ) from None
     comm = MPI.COMM_WORLD
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     rank, world, local, local_world = comm.Get_rank(), comm.Get_size(), node.Get_rank(), node.Get_size()
@@ -190,16 +213,19 @@ def choose_device(denv: DistEnv, device: str = "auto") -> torch.device:
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device == "cuda" or (device == "auto" and n >= denv.local_world_size and n > 0):
         if denv.local_rank >= n:
-            raise RuntimeError(f"launch: local rank {denv.local_rank} has no GPU (this node has {n}); start at most "
-                               f"{n} ranks per node or set device = \"cpu\"")
+            raise RuntimeError(
+                f"launch: local rank {denv.local_rank} has no GPU (this node has {n}); start at most "
+                f'{n} ranks per node or set device = "cpu"'
+            )
         return torch.device("cuda", denv.local_rank)
     if device not in ("auto", "cuda"):
         raise ValueError(f"launch: device={device!r}; use 'auto', 'cuda' or 'cpu'")
     return torch.device("cpu")
 
 
-def init_distributed(launcher: str = "auto", device: str = "auto",
-                     timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> tuple[DistEnv, torch.device]:
+def init_distributed(
+    launcher: str = "auto", device: str = "auto", timeout: datetime.timedelta = datetime.timedelta(minutes=10)
+) -> tuple[DistEnv, torch.device]:
     """Initialize the default process group (NCCL when every rank has a GPU, else gloo) and return
     who this process is and its device. A single process gets a one-rank group, so FSDP2 and DCP
     run the same code path everywhere."""
@@ -208,15 +234,26 @@ def init_distributed(launcher: str = "auto", device: str = "auto",
         denv = _mpi_env(denv)
     if denv.launcher == "single":
         denv = dataclasses.replace(denv, master_addr="127.0.0.1", master_port=free_port("127.0.0.1"))
-    os.environ.update(RANK=str(denv.rank), WORLD_SIZE=str(denv.world_size), LOCAL_RANK=str(denv.local_rank),
-                      LOCAL_WORLD_SIZE=str(denv.local_world_size), MASTER_ADDR=str(denv.master_addr),
-                      MASTER_PORT=str(denv.master_port))
+    os.environ.update(
+        RANK=str(denv.rank),
+        WORLD_SIZE=str(denv.world_size),
+        LOCAL_RANK=str(denv.local_rank),
+        LOCAL_WORLD_SIZE=str(denv.local_world_size),
+        MASTER_ADDR=str(denv.master_addr),
+        MASTER_PORT=str(denv.master_port),
+    )
     dev = choose_device(denv, device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     elif "OMP_NUM_THREADS" not in os.environ:  # CPU ranks share the node's cores (mpirun/srun do not say)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, denv.local_world_size)))
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method="env://", rank=denv.rank, world_size=denv.world_size,
-                            timeout=timeout, device_id=dev if dev.type == "cuda" else None)
+    dist.init_process_group(
+        backend,
+        init_method="env://",
+        rank=denv.rank,
+        world_size=denv.world_size,
+        timeout=timeout,
+        device_id=dev if dev.type == "cuda" else None,
+    )
     return denv, dev

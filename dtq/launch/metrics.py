@@ -26,16 +26,18 @@ def progress_line(rec: dict[str, Any], total_steps: int) -> str:
     gathered = rec.get("gathered_bytes") or {}
     parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(gathered.items()))
     width = len(str(total_steps))
-    line = (f"step {rec['step']:>{width}}/{total_steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.1e} | "
-            f"{rec['tokens_per_s']:,.0f} tok/s | gathered {human_bytes(sum(gathered.values()))}"
-            + (f" ({parts})" if parts else ""))
+    line = (
+        f"step {rec['step']:>{width}}/{total_steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.1e} | "
+        f"{rec['tokens_per_s']:,.0f} tok/s | gathered {human_bytes(sum(gathered.values()))}"
+        + (f" ({parts})" if parts else "")
+    )
     collectives = rec.get("collective_bytes") or {}
     if "reduce_scattered" in collectives:
         line += f" | reduce-scattered {human_bytes(collectives['reduce_scattered'])}"
     if "step_s" in rec:
         line += f" | {rec['step_s'] * 1e3:,.0f} ms/step"
     if rec.get("peak_memory_bytes") is not None:
-        line += f" | peak {rec['peak_memory_bytes'] / 2 ** 30:.1f} GiB"
+        line += f" | peak {rec['peak_memory_bytes'] / 2**30:.1f} GiB"
     return line
 
 
@@ -49,11 +51,13 @@ class CollectiveBytes:
     ``reduce_scatter_tensor``; the deprecated names forward to the new ones without passing
     through ``torch.distributed`` again, so nothing counts twice)."""
 
-    _WRAPPED = {"all_gather_into_tensor": ("all_gathered", 0, "output_tensor"),
-                "all_gather_single": ("all_gathered", 0, "output_tensor"),
-                "reduce_scatter_tensor": ("reduce_scattered", 1, "input"),
-                "reduce_scatter_single": ("reduce_scattered", 1, "input"),
-                "all_reduce": ("all_reduced", 0, "tensor")}
+    _WRAPPED = {
+        "all_gather_into_tensor": ("all_gathered", 0, "output_tensor"),
+        "all_gather_single": ("all_gathered", 0, "output_tensor"),
+        "reduce_scatter_tensor": ("reduce_scattered", 1, "input"),
+        "reduce_scatter_single": ("reduce_scattered", 1, "input"),
+        "all_reduce": ("all_reduced", 0, "tensor"),
+    }
 
     def __init__(self):
         self.counts: dict[str, int] = {}
@@ -64,9 +68,10 @@ class CollectiveBytes:
             t = args[index] if len(args) > index else kwargs[keyword]
             self.counts[key] = self.counts.get(key, 0) + t.numel() * t.element_size()
             return fn(*args, **kwargs)
+
         return counted
 
-    def __enter__(self) -> "CollectiveBytes":
+    def __enter__(self) -> CollectiveBytes:
         import torch.distributed as dist
 
         for name, (key, index, keyword) in self._WRAPPED.items():
@@ -101,8 +106,11 @@ class MetricsLog:
         if resume_step is None:
             self.path.write_text("")
         elif self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            kept = [
+                line
+                for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= resume_step
+            ]
             self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict[str, Any]) -> None:

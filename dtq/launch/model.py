@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import dtq
-from dtq.parallel import tp
 from dtq.launch.config import ModelConfig
+from dtq.parallel import tp
 
 
 def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
@@ -37,8 +37,9 @@ class Attention(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, name: str):
         super().__init__()
         self.head_dim, self.theta = cfg.hidden // cfg.heads, cfg.rope_theta
-        self.qkv = dtq.nn.LayerNormLinear(cfg.hidden, 3 * cfg.hidden, bias=False, normalization="RMSNorm",
-                                          eps=cfg.norm_eps, name=f"{name}.qkv")
+        self.qkv = dtq.nn.LayerNormLinear(
+            cfg.hidden, 3 * cfg.hidden, bias=False, normalization="RMSNorm", eps=cfg.norm_eps, name=f"{name}.qkv"
+        )
         self.proj = dtq.nn.Linear(cfg.hidden, cfg.hidden, bias=False, name=f"{name}.proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -58,10 +59,16 @@ class Block(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.attn = Attention(cfg, f"layers.{index}.attn")
-        self.mlp = dtq.nn.LayerNormMLP(cfg.hidden, cfg.ffn_hidden, bias=False, normalization="RMSNorm",
-                                       activation="swiglu", eps=cfg.norm_eps, name=f"layers.{index}.mlp",
-                                       swiglu_interleave=SWIGLU_INTERLEAVE if cfg.ffn_hidden % SWIGLU_INTERLEAVE == 0
-                                       else None)
+        self.mlp = dtq.nn.LayerNormMLP(
+            cfg.hidden,
+            cfg.ffn_hidden,
+            bias=False,
+            normalization="RMSNorm",
+            activation="swiglu",
+            eps=cfg.norm_eps,
+            name=f"layers.{index}.mlp",
+            swiglu_interleave=SWIGLU_INTERLEAVE if cfg.ffn_hidden % SWIGLU_INTERLEAVE == 0 else None,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(x)
@@ -115,14 +122,27 @@ class HFCausalLM(torch.nn.Module):
         try:
             from transformers import LlamaConfig, LlamaForCausalLM
         except ImportError:
-            raise RuntimeError("model.kind = \"hf_llama\" needs the transformers package: pip install transformers "
-                               "(or dtq's extra: pip install 'dtq[hf]')") from None
-        hf_cfg = LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn_hidden,
-                             num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
-                             num_key_value_heads=cfg.kv_heads or cfg.heads, max_position_embeddings=cfg.seq_len,
-                             rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-                             tie_word_embeddings=cfg.tie_embeddings, initializer_range=cfg.init_std,
-                             attention_bias=False, mlp_bias=False, use_cache=False, attn_implementation="sdpa")
+            raise RuntimeError(
+                'model.kind = "hf_llama" needs the transformers package: pip install transformers '
+                "(or dtq's extra: pip install 'dtq[hf]')"
+            ) from None
+        hf_cfg = LlamaConfig(
+            vocab_size=cfg.vocab,
+            hidden_size=cfg.hidden,
+            intermediate_size=cfg.ffn_hidden,
+            num_hidden_layers=cfg.layers,
+            num_attention_heads=cfg.heads,
+            num_key_value_heads=cfg.kv_heads or cfg.heads,
+            max_position_embeddings=cfg.seq_len,
+            rms_norm_eps=cfg.norm_eps,
+            rope_theta=cfg.rope_theta,
+            tie_word_embeddings=cfg.tie_embeddings,
+            initializer_range=cfg.init_std,
+            attention_bias=False,
+            mlp_bias=False,
+            use_cache=False,
+            attn_implementation="sdpa",
+        )
         self.hf = LlamaForCausalLM(hf_cfg)
         dtq.convert(self.hf, module_filter_fn=lambda module, fqn: fqn != "lm_head")
 

@@ -13,7 +13,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 import dtq
-
 from dtq.launch.config import Config
 
 
@@ -21,8 +20,9 @@ def make_mesh(device: torch.device, world_size: int, tp: int, replicate: int = 1
     """A ("dp",) mesh, with a leading "replicate" dim under HSDP and a trailing "tp" dim under
     tensor parallelism (size-1 dims are left out)."""
     if world_size % (tp * replicate):
-        raise ValueError(f"config: parallel.tp * parallel.replicate = {tp} * {replicate} must divide the world "
-                         f"size {world_size}")
+        raise ValueError(
+            f"config: parallel.tp * parallel.replicate = {tp} * {replicate} must divide the world size {world_size}"
+        )
     dims = ([("replicate", replicate)] if replicate > 1 else []) + [("dp", world_size // (tp * replicate))]
     dims += [("tp", tp)] if tp > 1 else []
     names, sizes = zip(*dims)
@@ -42,9 +42,11 @@ def describe(mesh: DeviceMesh) -> str:
 
 def tp_plan(sequence_parallel: bool) -> dict:
     """The TP style of each GEMM module of a decoder block, by its name inside the block."""
-    return {"attn.qkv": dtq.parallel.ColwiseParallel(sequence_parallel=sequence_parallel),
-            "attn.proj": dtq.parallel.RowwiseParallel(sequence_parallel=sequence_parallel),
-            "mlp": dtq.parallel.LayerNormMLPParallel(sequence_parallel=sequence_parallel)}
+    return {
+        "attn.qkv": dtq.parallel.ColwiseParallel(sequence_parallel=sequence_parallel),
+        "attn.proj": dtq.parallel.RowwiseParallel(sequence_parallel=sequence_parallel),
+        "mlp": dtq.parallel.LayerNormMLPParallel(sequence_parallel=sequence_parallel),
+    }
 
 
 def tp_weight_dims(model: torch.nn.Module) -> dict[int, Mapping[str, int]]:
@@ -58,16 +60,22 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh, cfg: Config)
     row-wise, the MLP as a column/row pair; with ``parallel.sequence_parallel`` the activations
     between them stay split along the sequence and the GEMMs gather their inputs quantized."""
     if cfg.model.kind != "dtq":
-        raise ValueError(f"config: parallel.tp = {cfg.parallel.tp} needs model.kind = \"dtq\" (the transformers Llama "
-                         "path runs with FSDP2 only)")
+        raise ValueError(
+            f'config: parallel.tp = {cfg.parallel.tp} needs model.kind = "dtq" (the transformers Llama '
+            "path runs with FSDP2 only)"
+        )
     tp_mesh, sp = mesh["tp"], cfg.parallel.sequence_parallel
     heads, size = cfg.model.heads, tp_mesh.size()
     if heads % size:
-        raise ValueError(f"config: model.heads = {heads} must be divisible by parallel.tp = {size} (each rank holds "
-                         "whole attention heads)")
+        raise ValueError(
+            f"config: model.heads = {heads} must be divisible by parallel.tp = {size} (each rank holds "
+            "whole attention heads)"
+        )
     if sp and cfg.model.seq_len % size:
-        raise ValueError(f"config: model.seq_len = {cfg.model.seq_len} must be divisible by parallel.tp = {size} under "
-                         "sequence parallelism (each rank holds an equal slice of the sequence)")
+        raise ValueError(
+            f"config: model.seq_len = {cfg.model.seq_len} must be divisible by parallel.tp = {size} under "
+            "sequence parallelism (each rank holds an equal slice of the sequence)"
+        )
     model.to(tp_mesh.device_type)  # TP styles split tensors that already live on the mesh's device
     for block in model.blocks:
         parallelize_module(block, tp_mesh, tp_plan(sp))

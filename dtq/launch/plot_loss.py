@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import sys
 
 from dtq.launch.metrics import read
 
@@ -27,14 +26,17 @@ def _metrics_path(arg: str) -> pathlib.Path:
     return p
 
 
-def plot(logs: list[str], out: str, labels: list[str] | None = None, title: str | None = None,
-         log_y: bool = False) -> pathlib.Path:
+def plot(
+    logs: list[str], out: str, labels: list[str] | None = None, title: str | None = None, log_y: bool = False
+) -> pathlib.Path:
     """Draw every log's train (and eval) loss against the step into ``out`` (a PNG)."""
     try:
         import matplotlib
     except ImportError:
-        raise RuntimeError("plot_loss needs matplotlib: pip install matplotlib (or dtq's extra: "
-                           "pip install 'dtq[plot]', in a checkout pip install -e '.[plot]')") from None
+        raise RuntimeError(
+            "plot_loss needs matplotlib: pip install matplotlib (or dtq's extra: "
+            "pip install 'dtq[plot]', in a checkout pip install -e '.[plot]')"
+        ) from None
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
@@ -47,11 +49,16 @@ def plot(logs: list[str], out: str, labels: list[str] | None = None, title: str 
         train = read(path, "train")
         if not train:
             raise ValueError(f"plot_loss: {path} has no training records")
-        line, = ax.plot([r["step"] for r in train], [r["loss"] for r in train], label=f"{label} (train)")
+        (line,) = ax.plot([r["step"] for r in train], [r["loss"] for r in train], label=f"{label} (train)")
         evals = read(path, "eval")
         if evals:
-            ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o", color=line.get_color(),
-                    label=f"{label} (validation)")
+            ax.plot(
+                [r["step"] for r in evals],
+                [r["val_loss"] for r in evals],
+                "o",
+                color=line.get_color(),
+                label=f"{label} (validation)",
+            )
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats / byte)")
     if log_y:

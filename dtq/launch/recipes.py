@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 import dtq
 from dtq.presets import PRESETS
@@ -20,8 +20,10 @@ RECIPES: dict[str, Callable[[], dtq.Recipe | None]] = {"bf16": lambda: None, **P
 
 
 def _unknown(name: str) -> ValueError:
-    return ValueError(f"config: unknown recipe {name!r}; use one of {', '.join(sorted(RECIPES))}, or "
-                      "'package.module:function' for a factory that returns a dtq recipe")
+    return ValueError(
+        f"config: unknown recipe {name!r}; use one of {', '.join(sorted(RECIPES))}, or "
+        "'package.module:function' for a factory that returns a dtq recipe"
+    )
 
 
 def check_recipe_name(name: str) -> None:
@@ -43,11 +45,15 @@ def build_recipe(name: str, backward_override: str | None = None) -> dtq.Recipe 
             raise ValueError(f"config: recipe {name!r}: cannot import {attr!r} from {module_name!r} ({e})") from None
         recipe = obj() if callable(obj) and not isinstance(obj, dtq.Recipe) else obj
         if recipe is not None and not isinstance(recipe, dtq.Recipe):
-            raise TypeError(f"config: recipe {name!r} gave {type(recipe).__name__}; it must give a dtq recipe "
-                            "(dtq.CustomRecipe(factory), dtq.MXFP8BlockScaling(), ...) or None")
+            raise TypeError(
+                f"config: recipe {name!r} gave {type(recipe).__name__}; it must give a dtq recipe "
+                "(dtq.CustomRecipe(factory), dtq.MXFP8BlockScaling(), ...) or None"
+            )
     if backward_override is not None:
         if recipe is None:
-            raise ValueError(f"config: train.backward_override = {backward_override!r} needs a quantizing recipe; "
-                             f"recipe {name!r} quantizes nothing")
+            raise ValueError(
+                f"config: train.backward_override = {backward_override!r} needs a quantizing recipe; "
+                f"recipe {name!r} quantizes nothing"
+            )
         recipe = dataclasses.replace(recipe, backward_override=backward_override)
     return recipe

@@ -43,16 +43,28 @@ from dtq.launch.recipes import build_recipe
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="TOML config file (default: the built-in tiny model)")
-    p.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
-                   help="override one config key, e.g. --set train.steps=100 (repeatable)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="TABLE.KEY=VALUE",
+        help="override one config key, e.g. --set train.steps=100 (repeatable)",
+    )
     p.add_argument("--recipe", help="shorthand for --set train.recipe=NAME")
     p.add_argument("--steps", type=int, help="shorthand for --set train.steps=N")
     p.add_argument("--out-dir", help="shorthand for --set train.out_dir=PATH")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in train.out_dir")
-    p.add_argument("--overwrite", action="store_true",
-                   help="delete the checkpoints and metrics log already in train.out_dir and start fresh")
-    p.add_argument("--launcher", default="auto", choices=launch_dist.LAUNCHERS,
-                   help="how this process was started (default: detected from the environment)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the checkpoints and metrics log already in train.out_dir and start fresh",
+    )
+    p.add_argument(
+        "--launcher",
+        default="auto",
+        choices=launch_dist.LAUNCHERS,
+        help="how this process was started (default: detected from the environment)",
+    )
     return p.parse_args(argv)
 
 
@@ -87,7 +99,8 @@ def recipe_change(checkpoint: pathlib.Path, tc: config_mod.TrainConfig) -> dict 
         raise config_mod.ConfigError(
             f"config: --resume: {checkpoint} stores quantized weights in the formats of its run's settings "
             f"({_settings(saved)}) and cannot be loaded with {_settings(recipe_settings(tc))}; resume with its "
-            "settings, or start a new run (--overwrite, or another train.out_dir)")
+            "settings, or start a new run (--overwrite, or another train.out_dir)"
+        )
     return changed or None
 
 
@@ -95,8 +108,9 @@ def _settings(values: dict) -> str:
     return ", ".join(f"train.{k} = {v!r}" for k, v in values.items())
 
 
-def prepare_out_dir(tc: config_mod.TrainConfig, resume: bool,
-                    overwrite: bool) -> tuple[pathlib.Path | None, dict | None]:
+def prepare_out_dir(
+    tc: config_mod.TrainConfig, resume: bool, overwrite: bool
+) -> tuple[pathlib.Path | None, dict | None]:
     """Decide on rank 0 what this run does with ``tc.out_dir`` and tell every rank; returns the
     checkpoint to resume from (None: start at step 0) and the :func:`recipe_change` against it.
 
@@ -112,9 +126,11 @@ def prepare_out_dir(tc: config_mod.TrainConfig, resume: bool,
         checkpointing.recover(out_dir)
         found = checkpointing.latest(out_dir)
         if found is not None and not resume and not overwrite:
-            decision[1] = (f"config: train.out_dir {out_dir!r} already has checkpoints of an earlier run (newest: "
-                           f"step {checkpointing.step_of(found)}); pass --resume to continue that run, or "
-                           "--overwrite to delete its checkpoints and metrics log and start fresh")
+            decision[1] = (
+                f"config: train.out_dir {out_dir!r} already has checkpoints of an earlier run (newest: "
+                f"step {checkpointing.step_of(found)}); pass --resume to continue that run, or "
+                "--overwrite to delete its checkpoints and metrics log and start fresh"
+            )
         else:
             try:
                 if overwrite:
@@ -189,8 +205,10 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto", 
     and validation losses. ``resume``: continue from the newest checkpoint in ``train.out_dir``;
     ``overwrite``: delete the checkpoints and metrics log there first (see :func:`prepare_out_dir`)."""
     if resume and overwrite:
-        raise config_mod.ConfigError("config: --resume continues the run whose checkpoints are in train.out_dir, "
-                                     "--overwrite deletes them: pass one or the other")
+        raise config_mod.ConfigError(
+            "config: --resume continues the run whose checkpoints are in train.out_dir, "
+            "--overwrite deletes them: pass one or the other"
+        )
     denv, device = launch_dist.init_distributed(launcher, cfg.train.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     resumed_from, changed = prepare_out_dir(cfg.train, resume, overwrite)
@@ -208,8 +226,14 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto", 
     # Mesh (replicate, dp, tp): the tp ranks of a replica are adjacent; every HSDP replica and FSDP2
     # shard of the data-parallel world reads its own slice of the global batch.
     dp_world, dp_rank = world // cfg.parallel.tp, rank // cfg.parallel.tp
-    preflight.check_shapes(model, recipe, tokens_per_rank, dp_world // cfg.parallel.replicate, cfg.parallel.tp,
-                           parallel.tp_weight_dims(model) if cfg.parallel.tp > 1 and cfg.model.kind == "dtq" else None)
+    preflight.check_shapes(
+        model,
+        recipe,
+        tokens_per_rank,
+        dp_world // cfg.parallel.replicate,
+        cfg.parallel.tp,
+        parallel.tp_weight_dims(model) if cfg.parallel.tp > 1 and cfg.model.kind == "dtq" else None,
+    )
     mesh = parallel.make_mesh(device, world, cfg.parallel.tp, cfg.parallel.replicate)
     model = parallel.parallelize(model, mesh, cfg, recipe)
     model.recompute = tc.recompute
@@ -224,32 +248,49 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto", 
     else:
         torch.manual_seed(tc.seed + 1)  # the training RNG stream (stochastic-rounding seeds)
 
-    log = metrics.MetricsLog(pathlib.Path(tc.out_dir) / "metrics.jsonl", rank == 0,
-                             resume_step=step if resumed_from is not None else None)
-    log.write({"kind": "config", "config": cfg.to_dict(), "world_size": world, "launcher": denv.launcher,
-               "device": str(device), "recipe": repr(recipe), "params": n_params,
-               "resumed_from": str(resumed_from) if resumed_from else None})
+    log = metrics.MetricsLog(
+        pathlib.Path(tc.out_dir) / "metrics.jsonl", rank == 0, resume_step=step if resumed_from is not None else None
+    )
+    log.write(
+        {
+            "kind": "config",
+            "config": cfg.to_dict(),
+            "world_size": world,
+            "launcher": denv.launcher,
+            "device": str(device),
+            "recipe": repr(recipe),
+            "params": n_params,
+            "resumed_from": str(resumed_from) if resumed_from else None,
+        }
+    )
     if changed:
         log.write({"kind": "recipe_change", "step": step, "changed": changed})
         if rank == 0:
-            print(f"warning: --resume: {resumed_from} was trained with "
-                  f"{_settings({k: v[0] for k, v in changed.items()})}; this run continues it from step {step} "
-                  f"with {_settings({k: v[1] for k, v in changed.items()})}, and metrics.jsonl holds both parts "
-                  "(a \"recipe_change\" record marks the step). Resume with the checkpoint's settings to continue "
-                  "the same run, or start a new one (--overwrite, or another train.out_dir)", file=sys.stderr,
-                  flush=True)
+            print(
+                f"warning: --resume: {resumed_from} was trained with "
+                f"{_settings({k: v[0] for k, v in changed.items()})}; this run continues it from step {step} "
+                f"with {_settings({k: v[1] for k, v in changed.items()})}, and metrics.jsonl holds both parts "
+                '(a "recipe_change" record marks the step). Resume with the checkpoint\'s settings to continue '
+                "the same run, or start a new one (--overwrite, or another train.out_dir)",
+                file=sys.stderr,
+                flush=True,
+            )
     console = progress.Console(rank == 0, tc.steps, step, bar=tc.progress_bar)
     if resume and resumed_from is None:
         console.print(f"--resume: no checkpoint in {tc.out_dir}/checkpoints yet; starting from step 0")
-    console.print(f"dtq {dtq.__version__} | {cfg.model.kind} model, {cfg.model.layers} layers, hidden "
-                  f"{cfg.model.hidden}: {n_params / 1e6:.2f} M parameters | recipe {tc.recipe}"
-                  + (" (quantized parameters)" if tc.quantized_params else "")
-                  + f" | {world} rank(s) via {denv.launcher}, {dist.get_backend()} on {device.type}, mesh "
-                  f"{parallel.describe(mesh)} | {tokens_per_rank} tokens/rank/step"
-                  + (f" | resumed at step {step}" if resumed_from else ""))
+    console.print(
+        f"dtq {dtq.__version__} | {cfg.model.kind} model, {cfg.model.layers} layers, hidden "
+        f"{cfg.model.hidden}: {n_params / 1e6:.2f} M parameters | recipe {tc.recipe}"
+        + (" (quantized parameters)" if tc.quantized_params else "")
+        + f" | {world} rank(s) via {denv.launcher}, {dist.get_backend()} on {device.type}, mesh "
+        f"{parallel.describe(mesh)} | {tokens_per_rank} tokens/rank/step"
+        + (f" | resumed at step {step}" if resumed_from else "")
+    )
     if recipe is None:
-        console.print(f"recipe {tc.recipe}: no quantization; GEMMs in {tc.dtype}, all-gathers in high precision "
-                      "(counted as <dtype>/fallback)")
+        console.print(
+            f"recipe {tc.recipe}: no quantization; GEMMs in {tc.dtype}, all-gathers in high precision "
+            "(counted as <dtype>/fallback)"
+        )
     elif device.type == "cpu":
         console.print("note: on CPU dtq emulates quantized GEMMs with the reference codecs (exact bits, not speed)")
     if step >= tc.steps:
@@ -285,11 +326,19 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto", 
             if step % tc.log_every == 0 or step == tc.steps:
                 dist.all_reduce(loss_sum)
                 elapsed = time.perf_counter() - t0
-                rec = {"kind": "train", "step": step, "loss": loss_sum.item() / (world * interval_steps), "lr": lr,
-                       "tokens_per_s": interval_steps * tokens_per_rank * dp_world / elapsed,
-                       "step_s": elapsed / interval_steps, "gathered_bytes": dtq.parallel.comm_stats(reset=True),
-                       "collective_bytes": collectives.take(), "peak_memory_bytes": _peak_memory(device),
-                       "samples": samples, "elapsed_s": elapsed}
+                rec = {
+                    "kind": "train",
+                    "step": step,
+                    "loss": loss_sum.item() / (world * interval_steps),
+                    "lr": lr,
+                    "tokens_per_s": interval_steps * tokens_per_rank * dp_world / elapsed,
+                    "step_s": elapsed / interval_steps,
+                    "gathered_bytes": dtq.parallel.comm_stats(reset=True),
+                    "collective_bytes": collectives.take(),
+                    "peak_memory_bytes": _peak_memory(device),
+                    "samples": samples,
+                    "elapsed_s": elapsed,
+                }
                 last["loss"] = rec["loss"]
                 log.write(rec)
                 console.print(metrics.progress_line(rec, tc.steps))
@@ -303,9 +352,16 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto", 
                 collectives.take()
                 t0 = _start_interval(device)
             if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == tc.steps:
-                path = checkpointing.save(tc.out_dir, step, model, opt,
-                                          {"step": step, "samples": samples, "world_size": world}, device,
-                                          run_info=recipe_settings(tc), keep=tc.keep_checkpoints)
+                path = checkpointing.save(
+                    tc.out_dir,
+                    step,
+                    model,
+                    opt,
+                    {"step": step, "samples": samples, "world_size": world},
+                    device,
+                    run_info=recipe_settings(tc),
+                    keep=tc.keep_checkpoints,
+                )
                 console.print(f"checkpoint: {path}")
                 collectives.take()
                 t0 = _start_interval(device)

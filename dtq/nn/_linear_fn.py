@@ -3,119 +3,17 @@ recipe asks for, with the backward override applied (docs/design.md section 4)."
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import weakref
-
 import torch
 from torch.autograd.function import once_differentiable
 
-from dtq.formats import COLUMNWISE, ROWWISE, Quantizer
-from dtq.formats.base import codec_for, shape_2d
-from dtq.gemm import Operand, mm
+from dtq.codec import QuantizedData, shape_2d
 from dtq.distributed import tp
-from dtq._torch_private import checkpoint_region
+from dtq.formats import COLUMNWISE, ROWWISE
+from dtq.gemm import Operand, mm
 from dtq.nn.gemm_state import GemmCall
-from dtq.recipe import QuantizerRole
-from dtq.formats.base import QuantizedData
+from dtq.nn.slot import Slot
 from dtq.tensor import QUANTIZED, QuantizedTensor
 from dtq.weights import local_tensor, unwrap
-
-
-@dataclasses.dataclass
-class Slot:
-    """One quantized tensor of one GEMM: its role and quantizer (None: high precision) and, under
-    delayed scaling, the name of the module buffer holding its amax history."""
-
-    role: QuantizerRole | None
-    quantizer: Quantizer | None
-    owner: weakref.ReferenceType | None = None
-    history: str | None = None
-    margin: int = 0
-    most_recent: bool = False
-    last_amax: torch.Tensor | None = None
-    # Scales used inside torch.utils.checkpoint regions, in call order, for their recompute:
-    # {region: deque of amaxes} (weak keys: a region's entries go when its graph does).
-    replays: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary, repr=False,
-                                                           compare=False)
-
-    @torch.no_grad()
-    def _delayed_amax(self, x: torch.Tensor, replay: bool, group=None, sync=None) -> torch.Tensor:
-        if replay and (amax := self.replayed_amax()) is not None:
-            return amax
-        cur = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
-        if group is not None:  # a sequence-parallel shard: the history tracks the whole tensor
-            torch.distributed.all_reduce(cur, op=torch.distributed.ReduceOp.MAX, group=group)
-        return self.delayed_amax(cur, sync)
-
-    @torch.no_grad()
-    def delayed_amax(self, cur: torch.Tensor, sync=None) -> torch.Tensor:
-        """The delayed-scaling amax for a tensor whose current amax (over the whole tensor) is
-        ``cur``: from the history, which then takes ``cur`` as its newest entry."""
-        hist = getattr(self.owner(), self.history)  # looked up each time: .to()/.cuda() replace buffers
-        # Under autocast(amax_group=...), the newest entries of this region are local until the
-        # flush: the scale comes from the shared ones before them (zeros if none are left).
-        shared = hist[sync.pending(hist):] if sync is not None else hist
-        if shared.numel() == 0:
-            past = torch.zeros((), dtype=hist.dtype, device=hist.device)
-        else:
-            past = shared[0] if self.most_recent else shared.amax()
-        amax = torch.where(past > 0, past, cur.to(hist.device)) * (2.0 ** self.margin)  # first step: current
-        hist.copy_(torch.roll(hist, 1))
-        hist[0] = cur
-        if sync is not None:  # dtq.autocast(amax_group=...): entry 0 is reduced over the group later
-            sync.add(hist)
-        self.last_amax = amax
-        region = checkpoint_region()
-        if region is not None:  # recomputed later: that call must see this scale, not the history's
-            self.replays.setdefault(region, collections.deque()).append(amax)
-        return amax
-
-    def replayed_amax(self) -> torch.Tensor | None:
-        """The amax of the forward call a recompute replays (the history moves once): the next one
-        recorded in this checkpoint region, else the last one used."""
-        region = checkpoint_region()
-        queue = self.replays.get(region) if region is not None else None
-        if queue:
-            return queue.popleft()
-        return self.last_amax
-
-    def _known_amax(self, x: torch.Tensor, known: torch.Tensor, rowwise: bool, columnwise: bool) -> dict:
-        """``{direction: known}`` for the requested directions whose scale derives from max|x|
-        over the whole tensor (current scaling), where ``known`` is that value already (computed
-        by the kernel that produced x)."""
-        shape = shape_2d(x.shape)
-        out = {}
-        for d, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):
-            sub = self.quantizer.for_direction(d) if on else None
-            codec = codec_for(sub) if sub is not None else None
-            if (codec is not None and codec.needs_amax(sub, d) and codec.amax_space(sub, d) == "x"
-                    and tuple(codec.amax_shape(sub, d, shape)) == ()):
-                out[d] = known
-        return out
-
-    def quantize(self, x: torch.Tensor, rowwise: bool, columnwise: bool, replay: bool = False,
-                 group=None, sync=None, known_amax: torch.Tensor | None = None) -> torch.Tensor:
-        """``x`` quantized into the requested directions; with a ``group``, ``x`` is this rank's
-        sequence-parallel shard and the result is the gathered whole (docs/design.md §5: quantized, with
-        scales agreed across the group). ``sync``: the :class:`dtq.distributed.amax.AmaxSync` that
-        reduces this step's delayed-scaling amax over the ranks sharing histories, or None.
-        ``known_amax``: max|x| if the producer of x computed it (used by current scaling only)."""
-        if group is not None and self.quantizer is None:
-            return tp.gather_rows(x, group, reason=f"the recipe gives no quantizer for {self.role}")
-        if self.quantizer is None or not (rowwise or columnwise):
-            return x
-        amax = self._delayed_amax(x, replay, group, sync) if self.history is not None else None
-        if amax is None and group is None and known_amax is not None:
-            amax = self._known_amax(x, known_amax, rowwise, columnwise) or None
-        try:
-            if group is None:
-                return self.quantizer.quantize_data(x, rowwise=rowwise, columnwise=columnwise, amax=amax)
-            dirs = [d for d, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if on]
-            return tp.gather_along_first_dim(x, group, self.quantizer, rowwise=rowwise, columnwise=columnwise,
-                                             amax=None if amax is None else {d: amax for d in dirs})
-        except ValueError as e:
-            raise ValueError(f"{self.role}: {e}") from None
 
 
 def flatten_saved(objs, keep: tuple = ()) -> tuple[list, list]:
@@ -212,12 +110,12 @@ def fake_quantize(slot: Slot, x: torch.Tensor, rowwise: bool, columnwise: bool, 
         if d in twins:
             payloads[d] = dict(payloads[twins[d]])
         else:
-            sub = q.for_direction(d)
+            codec = q.codec(d)
             try:
-                codec_for(sub).check_shape(sub, shape, d)
+                codec.check_shape(shape)
             except ValueError as e:  # the message eager gives
                 raise ValueError(f"{slot.role}: {e}") from None
-            payloads[d] = codec_for(sub).empty(sub, shape, d, x.device, x.dtype)
+            payloads[d] = codec.empty(shape, x.device, x.dtype)
     return QuantizedData(x.shape, x.dtype, q, payloads, device=x.device)
 
 
@@ -226,8 +124,16 @@ def fake_mm(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(m, n, dtype=out_dtype, device=a.tensor.device)
 
 
-def linear_forward(call: GemmCall, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   x_amax: torch.Tensor | None = None, *, quantize=_real_quantize, gemm=mm):
+def linear_forward(
+    call: GemmCall,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    x_amax: torch.Tensor | None = None,
+    *,
+    quantize=_real_quantize,
+    gemm=mm,
+):
     """``(y, saved_x, saved_w)`` of ``y = x @ W.T + b``: x quantized by the input slot, W by the
     weight slot (unless it is a QuantizedTensor parameter already), and the operands backward
     needs. ``quantize`` / ``gemm`` are replaced by :func:`fake_quantize` / :func:`fake_mm` for
@@ -242,18 +148,26 @@ def linear_forward(call: GemmCall, x: torch.Tensor, weight: torch.Tensor, bias: 
         x2 = tp.gather_rows(x2, gather, reason=_HP_OVERRIDE)  # the override saves the high-precision input
         xq = quantize(sx, x2, rowwise=True, columnwise=False, replay=call.replay, sync=call.amax_sync)
     else:
-        xq = quantize(sx, x2, rowwise=True, columnwise=bwd_cols and call.need_wgrad, replay=call.replay, group=gather,
-                      sync=call.amax_sync, known_amax=x_amax)
+        xq = quantize(
+            sx,
+            x2,
+            rowwise=True,
+            columnwise=bwd_cols and call.need_wgrad,
+            replay=call.replay,
+            group=gather,
+            sync=call.amax_sync,
+            known_amax=x_amax,
+        )
         if gather is not None and not isinstance(xq, QUANTIZED):
             x2 = xq  # gathered in high precision (no quantizer for the input)
     if isinstance(wl, QUANTIZED):
         wq = wl
     else:
-        wq = quantize(sw, wl, rowwise=True, columnwise=bwd_cols and call.need_dgrad, replay=call.replay,
-                      sync=call.amax_sync)
+        wq = quantize(
+            sw, wl, rowwise=True, columnwise=bwd_cols and call.need_dgrad, replay=call.replay, sync=call.amax_sync
+        )
     # GEMMs write the output dtype directly (no extra cast pass); with a bias, fp32 first.
-    y = gemm(Operand(xq, ROWWISE), Operand(wq, ROWWISE, transpose=True),
-             torch.float32 if bias is not None else x.dtype)
+    y = gemm(Operand(xq, ROWWISE), Operand(wq, ROWWISE, transpose=True), torch.float32 if bias is not None else x.dtype)
     if bias is not None:
         y = y + local_tensor(bias).to(torch.float32)
     if override is None:
@@ -274,8 +188,16 @@ def linear_forward(call: GemmCall, x: torch.Tensor, weight: torch.Tensor, bias: 
     return y, (saved_x if call.need_wgrad else None), (saved_w if call.need_dgrad else None)
 
 
-def linear_backward(call: GemmCall, dy: torch.Tensor, saved_x, saved_w, x_shape: torch.Size, x_dtype: torch.dtype,
-                    w_dtype: torch.dtype, need_bgrad: bool):
+def linear_backward(
+    call: GemmCall,
+    dy: torch.Tensor,
+    saved_x,
+    saved_w,
+    x_shape: torch.Size,
+    x_dtype: torch.dtype,
+    w_dtype: torch.dtype,
+    need_bgrad: bool,
+):
     """``(dx, dw, db)`` (None where not needed) of :func:`linear_forward` from its saved operands:
     dgrad and wgrad on the payloads the recipe asks for, or the backward override's operands."""
     _, _, sg = call.slots
@@ -286,13 +208,16 @@ def linear_backward(call: GemmCall, dy: torch.Tensor, saved_x, saved_w, x_shape:
     dx = dw = db = None
     if call.override is None:
         known = call.link.take_grad_amax() if call.link is not None else None  # max|dy| from the next op's kernel
-        gq = sg.quantize(dy2, rowwise=need_dgrad, columnwise=need_wgrad, group=scatter, sync=call.amax_sync,
-                         known_amax=known)
+        gq = sg.quantize(
+            dy2, rowwise=need_dgrad, columnwise=need_wgrad, group=scatter, sync=call.amax_sync, known_amax=known
+        )
         if need_dgrad:
             if isinstance(saved_w, QUANTIZED) and not saved_w.has(COLUMNWISE):
-                raise RuntimeError(f"dtq: {call.name}: the weight has no columnwise payload for dgrad (it holds "
-                                   f"{list(saved_w.directions)}). Quantize the weight with both directions, or "
-                                   "train it under a recipe with backward_override")
+                raise RuntimeError(
+                    f"dtq: {call.name}: the weight has no columnwise payload for dgrad (it holds "
+                    f"{list(saved_w.directions)}). Quantize the weight with both directions, or "
+                    "train it under a recipe with backward_override"
+                )
             dx = mm(Operand(gq, ROWWISE), Operand(saved_w, COLUMNWISE), x_dtype)
         if need_wgrad:
             dw = mm(Operand(gq, COLUMNWISE, transpose=True), Operand(saved_x, COLUMNWISE), w_dtype)
@@ -310,11 +235,17 @@ def linear_backward(call: GemmCall, dy: torch.Tensor, saved_x, saved_w, x_shape:
             # "dequantized": the forward's operand values exactly (fp32; they need not fit in bf16).
             g = dy2.float()
             if need_dgrad:
-                dx = g.mm(saved_w.dequantize(torch.float32, direction=ROWWISE)
-                          if isinstance(saved_w, QUANTIZED) else _hp(saved_w, torch.float32)).to(x_dtype)
+                dx = g.mm(
+                    saved_w.dequantize(torch.float32, direction=ROWWISE)
+                    if isinstance(saved_w, QUANTIZED)
+                    else _hp(saved_w, torch.float32)
+                ).to(x_dtype)
             if need_wgrad:
-                xd = (saved_x.dequantize(torch.float32, direction=ROWWISE) if isinstance(saved_x, QUANTIZED)
-                      else _hp(saved_x, torch.float32))
+                xd = (
+                    saved_x.dequantize(torch.float32, direction=ROWWISE)
+                    if isinstance(saved_x, QUANTIZED)
+                    else _hp(saved_x, torch.float32)
+                )
                 dw = xd.t().mm(g).t().to(w_dtype)
     if need_bgrad:
         db = dy2.sum(0)
@@ -342,9 +273,14 @@ class LinearFn(torch.autograd.Function):
         ctx.save_for_backward(*flat)
         ctx.call = call
         ctx.meta = (x.shape, x.dtype, weight.dtype, bias is not None and bias.requires_grad)
-        ctx.w_spec = (weight.device_mesh, weight.placements, weight.shape, weight.stride()) if wl is not weight else None
-        ctx.b_spec = (bias.device_mesh, bias.placements, bias.shape, bias.stride()) \
-            if bias is not None and local_tensor(bias) is not bias else None
+        ctx.w_spec = (
+            (weight.device_mesh, weight.placements, weight.shape, weight.stride()) if wl is not weight else None
+        )
+        ctx.b_spec = (
+            (bias.device_mesh, bias.placements, bias.shape, bias.stride())
+            if bias is not None and local_tensor(bias) is not bias
+            else None
+        )
         return y
 
     @staticmethod

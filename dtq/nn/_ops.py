@@ -17,10 +17,11 @@ from __future__ import annotations
 import torch
 
 from dtq._library import define
+from dtq._torch_private import in_backward
 from dtq.nn import _linear_fn as lf
 from dtq.nn.gemm_state import GemmCall, GemmHandle, GemmSlots, template
-from dtq._torch_private import in_backward
-from dtq.tensor import QUANTIZED, QuantizedTensor, _implements
+from dtq.tensor import QUANTIZED, QuantizedTensor
+from dtq.tensor_ops import implements
 
 
 def _unaliased(flat: list, inputs: tuple) -> list:
@@ -87,14 +88,17 @@ def _module_slots(handle: GemmHandle, key: int) -> GemmSlots:
     t = template(key)
     slots = handle.slots(t.recipe, t.gemm)
     if slots.quantizers != t.quantizers:
-        raise RuntimeError(f"dtq: {slots.name} shares a compiled graph traced for {t.name}, but the recipe gives it "
-                           f"other quantizers ({slots.quantizers} vs {t.quantizers}); a recipe whose quantizers depend "
-                           "on the module name must say so (name_dependent = True, as CustomRecipe does)")
+        raise RuntimeError(
+            f"dtq: {slots.name} shares a compiled graph traced for {t.name}, but the recipe gives it "
+            f"other quantizers ({slots.quantizers} vs {t.quantizers}); a recipe whose quantizers depend "
+            "on the module name must say so (name_dependent = True, as CustomRecipe does)"
+        )
     return slots
 
 
-def _forward(x, weight, bias, x_amax, handle, key, need_dgrad, need_wgrad, no_grad_trainable, recompute_only,
-             fake: bool) -> list:
+def _forward(
+    x, weight, bias, x_amax, handle, key, need_dgrad, need_wgrad, no_grad_trainable, recompute_only, fake: bool
+) -> list:
     if fake:
         call = GemmCall(template(key), need_dgrad, need_wgrad)
         y, sx, sw = lf.linear_forward(call, x, weight, bias, x_amax, quantize=lf.fake_quantize, gemm=lf.fake_mm)
@@ -102,10 +106,12 @@ def _forward(x, weight, bias, x_amax, handle, key, need_dgrad, need_wgrad, no_gr
         slots = _module_slots(handle, key)
         replay = in_backward()
         if recompute_only and not replay:
-            raise RuntimeError(f"dtq: {slots.name}: a compiled forward ran outside dtq.autocast after a forward whose "
-                               "recompute has not run yet (a no_grad or checkpointed forward under a recipe); a "
-                               "compiled module cannot tell this call from that recompute. Run that backward first, "
-                               "or run this forward eagerly (torch.compiler.set_stance('force_eager'))")
+            raise RuntimeError(
+                f"dtq: {slots.name}: a compiled forward ran outside dtq.autocast after a forward whose "
+                "recompute has not run yet (a no_grad or checkpointed forward under a recipe); a "
+                "compiled module cannot tell this call from that recompute. Run that backward first, "
+                "or run this forward eagerly (torch.compiler.set_stance('force_eager'))"
+            )
         sync = slots.state.begin(slots.recipe, replay, no_grad_trainable)
         call = GemmCall(slots, need_dgrad, need_wgrad, replay=replay, amax_sync=sync)
         y, sx, sw = lf.linear_forward(call, x, weight, bias, x_amax)
@@ -113,26 +119,72 @@ def _forward(x, weight, bias, x_amax, handle, key, need_dgrad, need_wgrad, no_gr
     return [y, *_unaliased(flat, (x, weight, bias, x_amax))]
 
 
-def _linear_impl(x: torch.Tensor, weight: torch.Tensor, w_fields: list[torch.Tensor], wkey: int, bias: torch.Tensor | None,
-           x_amax: torch.Tensor | None, handle: GemmHandle, key: int, need_dgrad: bool, need_wgrad: bool,
-           no_grad_trainable: bool, recompute_only: bool) -> list[torch.Tensor]:
+def _linear_impl(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    w_fields: list[torch.Tensor],
+    wkey: int,
+    bias: torch.Tensor | None,
+    x_amax: torch.Tensor | None,
+    handle: GemmHandle,
+    key: int,
+    need_dgrad: bool,
+    need_wgrad: bool,
+    no_grad_trainable: bool,
+    recompute_only: bool,
+) -> list[torch.Tensor]:
     """``[y, *saved]``: the forward of one GEMM of ``handle``'s module, traced with the slots
     template ``key``. A quantized
     weight parameter arrives as its payload tensors ``w_fields`` and layout ``wkey`` (its
     ``QuantizedTensor`` dispatch takes it apart); ``wkey == 0``: ``weight`` is the weight."""
-    return _forward(x, _weight(weight, w_fields, wkey), bias, x_amax, handle, key, need_dgrad, need_wgrad,
-                    no_grad_trainable, recompute_only, fake=False)
+    return _forward(
+        x,
+        _weight(weight, w_fields, wkey),
+        bias,
+        x_amax,
+        handle,
+        key,
+        need_dgrad,
+        need_wgrad,
+        no_grad_trainable,
+        recompute_only,
+        fake=False,
+    )
 
 
-def _linear_fake(x, weight, w_fields, wkey, bias, x_amax, handle, key, need_dgrad, need_wgrad, no_grad_trainable,
-                 recompute_only):
-    return _forward(x, _weight(weight, w_fields, wkey), bias, x_amax, handle, key, need_dgrad, need_wgrad,
-                    no_grad_trainable, recompute_only, fake=True)
+def _linear_fake(
+    x, weight, w_fields, wkey, bias, x_amax, handle, key, need_dgrad, need_wgrad, no_grad_trainable, recompute_only
+):
+    return _forward(
+        x,
+        _weight(weight, w_fields, wkey),
+        bias,
+        x_amax,
+        handle,
+        key,
+        need_dgrad,
+        need_wgrad,
+        no_grad_trainable,
+        recompute_only,
+        fake=True,
+    )
 
 
-def _linear_backward_impl(dy: torch.Tensor, saved: list[torch.Tensor], weight: torch.Tensor, w_fields: list[torch.Tensor],
-                    wkey: int, handle: GemmHandle, key: int, need_dgrad: bool, need_wgrad: bool, need_bgrad: bool,
-                    x_shape: list[int], x_dtype: torch.dtype, has_x_amax: bool) -> list[torch.Tensor]:
+def _linear_backward_impl(
+    dy: torch.Tensor,
+    saved: list[torch.Tensor],
+    weight: torch.Tensor,
+    w_fields: list[torch.Tensor],
+    wkey: int,
+    handle: GemmHandle,
+    key: int,
+    need_dgrad: bool,
+    need_wgrad: bool,
+    need_bgrad: bool,
+    x_shape: list[int],
+    x_dtype: torch.dtype,
+    has_x_amax: bool,
+) -> list[torch.Tensor]:
     """``[dx?, dw?, db?]`` (those asked for, in that order) of ``dtq::linear``."""
     slots = _module_slots(handle, key)
     w = _weight(weight, w_fields, wkey)
@@ -149,8 +201,9 @@ def _linear_backward_impl(dy: torch.Tensor, saved: list[torch.Tensor], weight: t
     return [g.contiguous() for g in grads if g is not None]
 
 
-def _linear_backward_fake(dy, saved, weight, w_fields, wkey, handle, key, need_dgrad, need_wgrad, need_bgrad, x_shape,
-                          x_dtype, has_x_amax):
+def _linear_backward_fake(
+    dy, saved, weight, w_fields, wkey, handle, key, need_dgrad, need_wgrad, need_bgrad, x_shape, x_dtype, has_x_amax
+):
     w = _weight(weight, w_fields, wkey)
     out = []
     if need_dgrad:
@@ -164,8 +217,16 @@ def _linear_backward_fake(dy, saved, weight, w_fields, wkey, handle, key, need_d
 
 def _setup_context(ctx, inputs, output):
     x, weight, _, _, bias, x_amax, handle, key, need_dgrad, need_wgrad, _, _ = inputs
-    ctx.args = (handle, key, need_dgrad, need_wgrad, bias is not None and bias.requires_grad, list(x.shape), x.dtype,
-                x_amax is not None)
+    ctx.args = (
+        handle,
+        key,
+        need_dgrad,
+        need_wgrad,
+        bias is not None and bias.requires_grad,
+        list(x.shape),
+        x.dtype,
+        x_amax is not None,
+    )
     ctx.save_for_backward(weight, *output[1:])
 
 
@@ -179,7 +240,9 @@ def _backward(ctx, grads):
     return dx, dw, [], None, db, None, None, None, None, None, None, None  # w_fields: always [] at this level
 
 
-def _dequantize_weight_impl(weight: torch.Tensor, w_fields: list[torch.Tensor], wkey: int, dtype: torch.dtype) -> torch.Tensor:
+def _dequantize_weight_impl(
+    weight: torch.Tensor, w_fields: list[torch.Tensor], wkey: int, dtype: torch.dtype
+) -> torch.Tensor:
     """A quantized weight in high precision (a GEMM outside dtq.autocast), as eager's
     ``DequantizeWeight`` computes it; its gradient passes to the parameter unchanged."""
     out = _weight(weight, w_fields, wkey).dequantize(dtype)
@@ -200,13 +263,18 @@ def _dequantize_grad(ctx, grad):
 
 linear_backward = define("linear_backward", _linear_backward_impl, _linear_backward_fake)
 linear = define("linear", _linear_impl, _linear_fake, backward=_backward, setup_context=_setup_context)
-dequantize_weight = define("dequantize_weight", _dequantize_weight_impl, _dequantize_weight_fake,
-                           backward=_dequantize_grad, setup_context=_dequantize_setup)
+dequantize_weight = define(
+    "dequantize_weight",
+    _dequantize_weight_impl,
+    _dequantize_weight_fake,
+    backward=_dequantize_grad,
+    setup_context=_dequantize_setup,
+)
 
 _WEIGHT_ARG = {linear: 1, linear_backward: 2, dequantize_weight: 0}
 
 
-@_implements(list(_WEIGHT_ARG))
+@implements(list(_WEIGHT_ARG))
 def _quantized_weight(func, args, kwargs):
     """A quantized weight parameter reaches the ops through QuantizedTensor's dispatch (below
     autograd, which keeps the parameter itself for its gradient): it continues as its payload

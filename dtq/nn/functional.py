@@ -59,8 +59,12 @@ def swiglu_backward_reference(dh: torch.Tensor, x: torch.Tensor, block: int) -> 
 
 def _use_kernel(*tensors: torch.Tensor) -> bool:
     x = tensors[0]  # plain tensors only (a DTensor or other subclass takes the reference's torch ops)
-    return (all(type(t) is torch.Tensor and t.device == x.device and t.dtype == x.dtype for t in tensors)
-            and x.is_cuda and x.dtype in kernels.INPUT_DTYPES and kernels.available(x.device))
+    return (
+        all(type(t) is torch.Tensor and t.device == x.device and t.dtype == x.dtype for t in tensors)
+        and x.is_cuda
+        and x.dtype in kernels.INPUT_DTYPES
+        and kernels.available(x.device)
+    )
 
 
 @dataclasses.dataclass
@@ -97,9 +101,12 @@ class _SwiGLU(torch.autograd.Function):
         link = ctx.link
         # create_graph (double backward): the reference's differentiable torch ops
         if _use_kernel(x, dh) and not torch.is_grad_enabled():
-            dx, amax = kernels.swiglu_backward(dh.contiguous().reshape(-1, dh.shape[-1]),
-                                               x.contiguous().reshape(-1, x.shape[-1]), ctx.block,
-                                               want_amax=link is not None)
+            dx, amax = kernels.swiglu_backward(
+                dh.contiguous().reshape(-1, dh.shape[-1]),
+                x.contiguous().reshape(-1, x.shape[-1]),
+                ctx.block,
+                want_amax=link is not None,
+            )
             if link is not None:
                 link.grad_amax = amax
             return dx.reshape(x.shape), None, None

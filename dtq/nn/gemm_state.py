@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
-from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch._library.opaque_object import register_opaque_type
@@ -24,13 +25,14 @@ from dtq.autocast import active_amax_sync, active_recipe, autocast_active, recip
 from dtq.distributed.gather import GatherPlan
 from dtq.distributed.tp import TPSpec
 from dtq.formats import COLUMNWISE, ROWWISE, IdentityQuantizer, Quantizer
+from dtq.nn.slot import Slot
+from dtq.recipe import TENSOR_TYPES, QuantizerRole, recipe_by_key
 from dtq.tensor import QuantizedTensor
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from dtq.distributed.amax import AmaxSync
-    from dtq.nn._linear_fn import Slot
     from dtq.recipe import Recipe
 
 
@@ -70,8 +72,10 @@ class GemmState:
     def set_tensor_parallel(self, specs: Mapping[int, TPSpec], mesh: DeviceMesh) -> None:
         """Split the module's GEMMs ``{gemm index: TPSpec}`` over the 1-D ``mesh``."""
         if mesh.ndim != 1:
-            raise ValueError(f"dtq: tensor parallelism takes a 1-D device mesh, got {mesh.ndim} dims; pass the TP "
-                             "sub-mesh (mesh['tp'])")
+            raise ValueError(
+                f"dtq: tensor parallelism takes a 1-D device mesh, got {mesh.ndim} dims; pass the TP "
+                "sub-mesh (mesh['tp'])"
+            )
         self.tp = TPLayout(dict(specs), mesh)
 
     def gather_plan(self, ctx: GatherContext, quantizer: Quantizer | None, have: tuple[str, ...]) -> GatherPlan:
@@ -83,10 +87,11 @@ class GemmState:
         if quantizer is not None:
             return GatherPlan(quantizer, self._needed_directions(ctx, recipe, have))
         slot = self._weight_slot(ctx.leaf_name, recipe) if recipe is not None else None
-        hp_backward = (recipe is not None and recipe.backward_override == "high_precision"
-                       and ctx.training_state == "PRE_BACKWARD")
+        hp_backward = (
+            recipe is not None and recipe.backward_override == "high_precision" and ctx.training_state == "PRE_BACKWARD"
+        )
         if slot is None or slot.quantizer is None or hp_backward:
-            return GatherPlan(None, (ROWWISE,))
+            return GatherPlan(IdentityQuantizer(), (ROWWISE,), fallback=True)
         delayed = functools.partial(_delayed_weight_amax, ctx, slot) if slot.history is not None else None
         return GatherPlan(slot.quantizer, self._needed_directions(ctx, recipe, have), delayed)
 
@@ -120,8 +125,10 @@ class GemmState:
             want = {ROWWISE} | ({COLUMNWISE} if columnwise_for_backward else set())
         dirs = tuple(d for d in (ROWWISE, COLUMNWISE) if d in want and d in have)
         if not dirs:
-            raise RuntimeError(f"dtq: FSDP2 gathers {ctx.param_name} in state {state} and needs {sorted(want)}, but "
-                               f"the sharded parameter only holds {list(have)}; quantize it with both directions")
+            raise RuntimeError(
+                f"dtq: FSDP2 gathers {ctx.param_name} in state {state} and needs {sorted(want)}, but "
+                f"the sharded parameter only holds {list(have)}; quantize it with both directions"
+            )
         return dirs
 
     def resolve(self, replay: bool = False, *, weight: torch.Tensor | None = None, name: str = "") -> Recipe | None:
@@ -147,11 +154,13 @@ class GemmState:
         self.recipe = recipe
         self.amax_sync = active_amax_sync()
         if recipe is not None and recipe.delayed and self.amax_sync is None and _multi_rank():
-            warn_once("delayed-without-amax-group",
-                      f"dtq: {type(recipe).__name__} in a job of {torch.distributed.get_world_size()} ranks without "
-                      "dtq.autocast(..., amax_group=...): each rank keeps amax histories (and scales) of its own "
-                      "activations; pass the data-parallel group to share them, as TransformerEngine's fp8_group "
-                      "does")
+            warn_once(
+                "delayed-without-amax-group",
+                f"dtq: {type(recipe).__name__} in a job of {torch.distributed.get_world_size()} ranks without "
+                "dtq.autocast(..., amax_group=...): each rank keeps amax histories (and scales) of its own "
+                "activations; pass the data-parallel group to share them, as TransformerEngine's fp8_group "
+                "does",
+            )
         # reentrant checkpointing runs its forward under no_grad, inside CheckpointFunction
         checkpointed = inside_checkpoint_forward() or (no_grad_trainable and checkpoint_region() is not None)
         self.recompute = checkpointed or no_grad_trainable
@@ -163,9 +172,10 @@ class GemmState:
         # the owner is set again by the module (QuantizedModule.__setstate__)
         return {**self.__dict__, "amax_sync": None, "owner": None}
 
-    def __deepcopy__(self, memo) -> "GemmState":
-        return GemmState(self.recipe, None, self.recompute, self.awaiting_recompute, self.fsdp_gathered,
-                         self.default_recipe, self.tp)
+    def __deepcopy__(self, memo) -> GemmState:
+        return GemmState(
+            self.recipe, None, self.recompute, self.awaiting_recompute, self.fsdp_gathered, self.default_recipe, self.tp
+        )
 
 
 @dataclasses.dataclass(eq=False)
@@ -231,9 +241,6 @@ def template_key(recipe_key: int, module_type: str, name: str, suffix: str, gemm
     k = (recipe_key, module_type, name, suffix, gemm)
     key = _template_keys.get(k)
     if key is None:
-        from dtq.nn._linear_fn import Slot
-        from dtq.recipe import recipe_by_key
-
         recipe = recipe_by_key(recipe_key)
         slots = [Slot(r, recipe.quantizer(r)) for r in gemm_roles(module_type, name + suffix)]
         key = _template_keys[k] = len(_template_keys) + 1
@@ -247,8 +254,6 @@ def template(key: int) -> GemmSlots:
 
 def gemm_roles(module_type: str, name: str) -> list:
     """The roles of one GEMM's quantized slots (input, weight, grad_output)."""
-    from dtq.recipe import TENSOR_TYPES, QuantizerRole
-
     return [QuantizerRole(module_type, tt, name) for tt in TENSOR_TYPES]
 
 
@@ -290,18 +295,27 @@ def _delayed_weight_amax(ctx: GatherContext, slot: Slot, amax: dict) -> torch.Te
 
 def _warn_without_recipe(name: str, weight: torch.Tensor) -> None:
     local = local_tensor(weight)  # a tensor-parallel DTensor's shard
-    fix = ("wrap the forward in `with dtq.autocast(recipe):` or bind a recipe with dtq.convert(model, "
-           "recipe=recipe); inside dtq.autocast(enabled=False) high precision is chosen and not reported")
+    fix = (
+        "wrap the forward in `with dtq.autocast(recipe):` or bind a recipe with dtq.convert(model, "
+        "recipe=recipe); inside dtq.autocast(enabled=False) high precision is chosen and not reported"
+    )
     if isinstance(local, QuantizedTensor) and not isinstance(local.quantizer, IdentityQuantizer):
-        warn_once("quantized-params-without-recipe",
-                  f"dtq: {name} holds quantized parameters ({local.quantizer.format_name}) but runs outside any "
-                  f"recipe: it dequantizes them and computes in high precision; {fix}")
+        warn_once(
+            "quantized-params-without-recipe",
+            f"dtq: {name} holds quantized parameters ({local.quantizer.format_name}) but runs outside any "
+            f"recipe: it dequantizes them and computes in high precision; {fix}",
+        )
     elif torch.is_grad_enabled() and weight.requires_grad:
-        warn_once("training-without-recipe",
-                  f"dtq: {name} runs a training forward outside dtq.autocast and has no recipe bound by "
-                  f"dtq.convert: dtq modules then train in high precision, nothing is quantized; {fix}")
+        warn_once(
+            "training-without-recipe",
+            f"dtq: {name} runs a training forward outside dtq.autocast and has no recipe bound by "
+            f"dtq.convert: dtq modules then train in high precision, nothing is quantized; {fix}",
+        )
 
 
 def _multi_rank() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
-        torch.distributed.get_world_size() > 1
+    return (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    )

@@ -14,8 +14,17 @@ class GroupedLinear(QuantizedModule):
 
     module_type = "grouped_linear"
 
-    def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True, *,
-                 params_dtype: torch.dtype | None = None, device=None, name: str = ""):
+    def __init__(
+        self,
+        num_gemms: int,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        params_dtype: torch.dtype | None = None,
+        device=None,
+        name: str = "",
+    ):
         super().__init__(name)
         if num_gemms < 1:
             raise ValueError(f"GroupedLinear: num_gemms={num_gemms} must be >= 1")
@@ -35,8 +44,12 @@ class GroupedLinear(QuantizedModule):
         m_splits = list(m_splits)
         rows = x.reshape(-1, x.shape[-1])
         if len(m_splits) != self.num_gemms or sum(m_splits) != rows.shape[0]:
-            raise ValueError(f"GroupedLinear: m_splits={m_splits} must have {self.num_gemms} entries summing to the "
-                             f"{rows.shape[0]} rows of the input (shape {list(x.shape)})")
-        outs = [self._linear(chunk, getattr(self, f"weight{i}"), getattr(self, f"bias{i}"), gemm=i)
-                for i, chunk in enumerate(rows.split(m_splits))]
+            raise ValueError(
+                f"GroupedLinear: m_splits={m_splits} must have {self.num_gemms} entries summing to the "
+                f"{rows.shape[0]} rows of the input (shape {list(x.shape)})"
+            )
+        outs = [
+            self._linear(chunk, getattr(self, f"weight{i}"), getattr(self, f"bias{i}"), gemm=i)
+            for i, chunk in enumerate(rows.split(m_splits))
+        ]
         return torch.cat(outs).reshape(*x.shape[:-1], self.out_features)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dtq.distributed import tp
 from dtq.nn.functional import AmaxLink, swiglu
 from dtq.nn.module import QuantizedModule, init_bias, init_weight
-from dtq.distributed import tp
 
 NORMS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "swiglu")
@@ -47,8 +47,18 @@ class _Norm(torch.nn.Module):
 class LayerNormLinear(QuantizedModule):
     """``Linear(norm(x))`` with LayerNorm or RMSNorm. Roles as ``Linear``."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, normalization: str = "LayerNorm",
-                 eps: float = 1e-5, params_dtype: torch.dtype | None = None, device=None, name: str = ""):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        normalization: str = "LayerNorm",
+        eps: float = 1e-5,
+        params_dtype: torch.dtype | None = None,
+        device=None,
+        name: str = "",
+    ):
         super().__init__(name)
         dtype = params_dtype or torch.get_default_dtype()
         self.norm = _Norm(normalization, in_features, eps, dtype, device)
@@ -69,16 +79,30 @@ class LayerNormMLP(QuantizedModule):
     contiguous row shard of ``2B``-multiples holds matching gate/up pairs — what tensor
     parallelism (``dtq.parallel.LayerNormMLPParallel``) needs, at every TP size."""
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, bias: bool = True, *, normalization: str = "LayerNorm",
-                 activation: str = "gelu", eps: float = 1e-5, params_dtype: torch.dtype | None = None,
-                 device=None, name: str = "", swiglu_interleave: int | None = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        bias: bool = True,
+        *,
+        normalization: str = "LayerNorm",
+        activation: str = "gelu",
+        eps: float = 1e-5,
+        params_dtype: torch.dtype | None = None,
+        device=None,
+        name: str = "",
+        swiglu_interleave: int | None = None,
+    ):
         super().__init__(name)
         if activation not in ACTIVATIONS:
             raise ValueError(f"LayerNormMLP: activation={activation!r}; use one of {ACTIVATIONS}")
-        if swiglu_interleave is not None and (activation != "swiglu" or swiglu_interleave < 1
-                                              or ffn_hidden_size % swiglu_interleave):
-            raise ValueError(f"LayerNormMLP: swiglu_interleave={swiglu_interleave} needs activation='swiglu' and "
-                             f"must divide ffn_hidden_size={ffn_hidden_size}")
+        if swiglu_interleave is not None and (
+            activation != "swiglu" or swiglu_interleave < 1 or ffn_hidden_size % swiglu_interleave
+        ):
+            raise ValueError(
+                f"LayerNormMLP: swiglu_interleave={swiglu_interleave} needs activation='swiglu' and "
+                f"must divide ffn_hidden_size={ffn_hidden_size}"
+            )
         self.swiglu_interleave = swiglu_interleave
         dtype = params_dtype or torch.get_default_dtype()
         self.activation = activation
@@ -100,7 +124,9 @@ class LayerNormMLP(QuantizedModule):
             # the fused kernels hand max|h| to fc2 and max|d(fc1 out)| to fc1's backward (asked for
             # under a current-scaling recipe only: other scalings never read them)
             recipe = self.gemm_state.resolve()
-            link = AmaxLink() if recipe is not None and not recipe.delayed and not torch.compiler.is_compiling() else None
+            link = (
+                AmaxLink() if recipe is not None and not recipe.delayed and not torch.compiler.is_compiling() else None
+            )
             h = self._linear(self.norm(x), self.fc1_weight, self.fc1_bias, gemm=0, link=link)
             h = swiglu(h, self.swiglu_interleave, link=link)
             return self._linear(h, self.fc2_weight, self.fc2_bias, gemm=1, x_amax=link and link.h_amax)

@@ -6,22 +6,23 @@ import weakref
 
 import torch
 
-from dtq.autocast import active_recipe
-from dtq.nn.state_dict import KEY_PATH, SEP, check_weight, weight_entries, weight_meta
-from dtq.nn import _ops
-from dtq.nn._linear_fn import DequantizeWeight, LinearFn, Slot
-from dtq.nn.gemm_state import GemmCall, GemmHandle, GemmSlots, GemmState, template_key
-from dtq.distributed import tp
 from dtq._torch_private import in_backward
-from dtq.weights import HighPrecisionWeight, local_tensor, unwrap
-from dtq.recipe import QuantizerRole, Recipe
 from dtq._warn import warn_once
+from dtq.autocast import active_recipe
+from dtq.distributed import tp
+from dtq.nn import _ops
+from dtq.nn._linear_fn import DequantizeWeight, LinearFn
+from dtq.nn.gemm_state import GemmCall, GemmHandle, GemmSlots, GemmState, template_key
+from dtq.nn.slot import Slot
+from dtq.nn.state_dict import KEY_PATH, SEP, check_weight, weight_entries, weight_meta
+from dtq.recipe import QuantizerRole, Recipe
 from dtq.tensor import QuantizedTensor
+from dtq.weights import HighPrecisionWeight, local_tensor, unwrap
 
 SLOT_TYPES = ("input", "weight", "output", "grad_output", "grad_input")
 _QUANTIZED_SLOTS = ("input", "weight", "grad_output")
 # Every live dtq module, so that a warning about a parameter can name it (dtq.optim).
-LIVE_MODULES: "weakref.WeakSet[QuantizedModule]" = weakref.WeakSet()
+LIVE_MODULES: weakref.WeakSet[QuantizedModule] = weakref.WeakSet()
 
 
 class QuantizedModule(torch.nn.Module):
@@ -66,7 +67,9 @@ class QuantizedModule(torch.nn.Module):
         roles: list[QuantizerRole | None] = []
         for suffix in self.gemm_suffixes():
             for tt in SLOT_TYPES:
-                roles.append(QuantizerRole(self.module_type, tt, self.name + suffix) if tt in _QUANTIZED_SLOTS else None)
+                roles.append(
+                    QuantizerRole(self.module_type, tt, self.name + suffix) if tt in _QUANTIZED_SLOTS else None
+                )
         return roles
 
     def _slots(self, recipe: Recipe, gemm: int) -> GemmSlots:
@@ -83,24 +86,39 @@ class QuantizedModule(torch.nn.Module):
         roles = self.quantizer_roles()
         out = []
         for g, suffix in enumerate(self.gemm_suffixes()):
-            gemm_roles = roles[g * len(SLOT_TYPES):(g + 1) * len(SLOT_TYPES)]
+            gemm_roles = roles[g * len(SLOT_TYPES) : (g + 1) * len(SLOT_TYPES)]
             slots = []
             for tt, role in zip(SLOT_TYPES, gemm_roles):
                 if tt not in _QUANTIZED_SLOTS:
                     continue
                 slot = Slot(role, recipe.quantizer(role))
                 q = slot.quantizer
-                if recipe.backward_override is not None and q is not None and q.for_direction("columnwise") != \
-                        q.for_direction("rowwise") and tt != "grad_output":
-                    warn_once(f"override-hybrid:{type(recipe).__name__}",
-                              f"dtq: backward_override={recipe.backward_override!r} builds no columnwise payload: the "
-                              f"columnwise part of {q!r} (for {role}) is not used")
+                if (
+                    recipe.backward_override is not None
+                    and q is not None
+                    and q.for_direction("columnwise") != q.for_direction("rowwise")
+                    and tt != "grad_output"
+                ):
+                    warn_once(
+                        f"override-hybrid:{type(recipe).__name__}",
+                        f"dtq: backward_override={recipe.backward_override!r} builds no columnwise payload: the "
+                        f"columnwise part of {q!r} (for {role}) is not used",
+                    )
                 if recipe.delayed and slot.quantizer is not None:
                     slot.owner, slot.history = weakref.ref(self), self._history(f"{g}_{tt}", recipe.amax_history_len)
                     slot.margin, slot.most_recent = recipe.margin, recipe.amax_compute_algo == "most_recent"
                 slots.append(slot)
-            out.append(GemmSlots(f"{type(self).__name__} {self.name!r}{suffix}", recipe, *slots, self.gemm_state,
-                                 weakref.ref(self), self.weight_names()[g], g))
+            out.append(
+                GemmSlots(
+                    f"{type(self).__name__} {self.name!r}{suffix}",
+                    recipe,
+                    *slots,
+                    self.gemm_state,
+                    weakref.ref(self),
+                    self.weight_names()[g],
+                    g,
+                )
+            )
         return out
 
     def _history(self, key: str, length: int) -> str:
@@ -135,11 +153,12 @@ class QuantizedModule(torch.nn.Module):
     def set_extra_state(self, state) -> None:
         pass  # read (for checks) in _load_from_state_dict
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         # Delayed-scaling histories are created on first use: accept them from a checkpoint.
         for key, value in state_dict.items():
-            name = key[len(prefix):]
+            name = key[len(prefix) :]
             if key.startswith(prefix) and name.startswith("amax_history_") and "." not in name:
                 if getattr(self, name, None) is None or getattr(self, name).shape != value.shape:
                     self.register_buffer(name, torch.zeros_like(value))
@@ -161,8 +180,15 @@ class QuantizedModule(torch.nn.Module):
                 if dst.data_ptr() != src.data_ptr():
                     dst.copy_(src)
         before = len(missing_keys)
-        super()._load_from_state_dict({k: v for k, v in state_dict.items() if SEP not in k}, prefix, local_metadata,
-                                      strict, missing_keys, unexpected_keys, error_msgs)
+        super()._load_from_state_dict(
+            {k: v for k, v in state_dict.items() if SEP not in k},
+            prefix,
+            local_metadata,
+            strict,
+            missing_keys,
+            unexpected_keys,
+            error_msgs,
+        )
         done = {prefix + w for w in quantized}
         missing_keys[before:] = [k for k in missing_keys[before:] if k not in done]
 
@@ -178,8 +204,16 @@ class QuantizedModule(torch.nn.Module):
         self._gemm_handle = GemmHandle(self)
         self.gemm_state.owner = weakref.ref(self)
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemm: int = 0, *,
-                x_amax: torch.Tensor | None = None, link=None) -> torch.Tensor:
+    def _linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        gemm: int = 0,
+        *,
+        x_amax: torch.Tensor | None = None,
+        link=None,
+    ) -> torch.Tensor:
         """One GEMM of the module under the active recipe. ``x_amax``: max|x| if known (computed
         by the op that produced x); ``link``: a ``dtq.nn.functional.AmaxLink`` whose ``grad_amax``
         the next op's backward sets to max|dy|. Both only spare current scaling an amax pass.
@@ -192,9 +226,11 @@ class QuantizedModule(torch.nn.Module):
         in_features = local_tensor(weight).shape[-1]
         if x.shape[-1] != in_features:
             name = f"{type(self).__name__} {self.name!r}{self.gemm_suffixes()[gemm]}"
-            raise ValueError(f"{name}: input of shape {list(x.shape)} has last dim {x.shape[-1]}, but the weight "
-                             f"{list(local_tensor(weight).shape)} expects {in_features} input features"
-                             + (" (this rank's tensor-parallel shard)" if spec is not None else ""))
+            raise ValueError(
+                f"{name}: input of shape {list(x.shape)} has last dim {x.shape[-1]}, but the weight "
+                f"{list(local_tensor(weight).shape)} expects {in_features} input features"
+                + (" (this rank's tensor-parallel shard)" if spec is not None else "")
+            )
         state = self.gemm_state
         grad = torch.is_grad_enabled()
         no_grad_trainable = not grad and weight.requires_grad
@@ -207,10 +243,27 @@ class QuantizedModule(torch.nn.Module):
             if recipe is not None and spec is None:
                 # The slots as a template (constant) and the module as an opaque input: modules
                 # of one structure share the graph (unless the recipe's quantizers use names).
-                key = template_key(recipe.key, self.module_type, self.name if recipe.name_dependent else "",
-                                   self.gemm_suffixes()[gemm], gemm)
-                outs = _ops.linear(x, weight, [], 0, bias, x_amax, self._gemm_handle, key, grad and x.requires_grad,
-                                   grad and weight.requires_grad, no_grad_trainable, recompute_only)
+                key = template_key(
+                    recipe.key,
+                    self.module_type,
+                    self.name if recipe.name_dependent else "",
+                    self.gemm_suffixes()[gemm],
+                    gemm,
+                )
+                outs = _ops.linear(
+                    x,
+                    weight,
+                    [],
+                    0,
+                    bias,
+                    x_amax,
+                    self._gemm_handle,
+                    key,
+                    grad and x.requires_grad,
+                    grad and weight.requires_grad,
+                    no_grad_trainable,
+                    recompute_only,
+                )
                 return outs[0]
             if recipe is None and spec is None:
                 state.recipe = None
@@ -240,14 +293,28 @@ class QuantizedModule(torch.nn.Module):
         else:
             slots = self._slots(recipe, gemm)
             w_local = local_tensor(weight)
-            if isinstance(w_local, QuantizedTensor) and slots.sw.quantizer is not None and \
-                    w_local.quantizer != slots.sw.quantizer:
-                warn_once(f"qparam-recipe:{id(self)}", f"dtq: {slots.name} holds a weight quantized as "
-                          f"{w_local.quantizer!r}; it is used as stored, not requantized to the recipe's "
-                          f"{slots.sw.quantizer!r}")
+            if (
+                isinstance(w_local, QuantizedTensor)
+                and slots.sw.quantizer is not None
+                and w_local.quantizer != slots.sw.quantizer
+            ):
+                warn_once(
+                    f"qparam-recipe:{id(self)}",
+                    f"dtq: {slots.name} holds a weight quantized as "
+                    f"{w_local.quantizer!r}; it is used as stored, not requantized to the recipe's "
+                    f"{slots.sw.quantizer!r}",
+                )
             grad = torch.is_grad_enabled()
-            call = GemmCall(slots, grad and x.requires_grad, grad and weight.requires_grad, replay=replay,
-                            amax_sync=sync, link=link, tp=spec, group=group)
+            call = GemmCall(
+                slots,
+                grad and x.requires_grad,
+                grad and weight.requires_grad,
+                replay=replay,
+                amax_sync=sync,
+                link=link,
+                tp=spec,
+                group=group,
+            )
             y = LinearFn.apply(x, weight, bias, x_amax, call)
         if spec is not None and spec.kind == "row":
             if not spec.sequence_parallel:
@@ -285,13 +352,11 @@ class QuantizedModule(torch.nn.Module):
             if isinstance(data, QuantizedTensor) or data.device.type == "meta":
                 continue
             with torch.no_grad():
-                torch.nn.init.kaiming_uniform_(data, a=5 ** 0.5)
+                torch.nn.init.kaiming_uniform_(data, a=5**0.5)
                 b = getattr(self, wname.replace("weight", "bias"), None)
                 if b is not None:
                     bound = 1 / data.shape[1] ** 0.5 if data.shape[1] > 0 else 0
                     torch.nn.init.uniform_(b, -bound, bound)
-
-
 
 
 def as_weight(t: torch.Tensor, requires_grad: bool = True) -> torch.nn.Parameter:
@@ -303,13 +368,13 @@ def as_weight(t: torch.Tensor, requires_grad: bool = True) -> torch.nn.Parameter
 def init_weight(out_features: int, in_features: int, dtype, device) -> torch.nn.Parameter:
     w = torch.empty(out_features, in_features, dtype=dtype, device=device)
     if w.device.type != "meta":
-        torch.nn.init.kaiming_uniform_(w, a=5 ** 0.5)  # nn.Linear's default
+        torch.nn.init.kaiming_uniform_(w, a=5**0.5)  # nn.Linear's default
     return as_weight(w)
 
 
 def init_bias(out_features: int, in_features: int, dtype, device) -> torch.nn.Parameter:
     b = torch.nn.Parameter(torch.empty(out_features, dtype=dtype, device=device))
     if b.device.type != "meta":
-        bound = 1 / in_features ** 0.5 if in_features > 0 else 0
+        bound = 1 / in_features**0.5 if in_features > 0 else 0
         torch.nn.init.uniform_(b, -bound, bound)
     return b

@@ -20,7 +20,6 @@ import hashlib
 import torch
 
 from dtq._bits import as_bytes
-from dtq.formats import codec_for
 from dtq._torch_private import local_tensor
 from dtq.tensor import QuantizedTensor
 from dtq.weights import HighPrecisionWeight, unwrap
@@ -41,7 +40,7 @@ class KeyPath:
     def _fqn_modifiers(self) -> dict[str, str]:
         return {}
 
-    def __getattr__(self, name: str) -> "KeyPath":
+    def __getattr__(self, name: str) -> KeyPath:
         if name.startswith("__"):
             raise AttributeError(name)
         return self
@@ -82,7 +81,7 @@ def _like_param(t: torch.Tensor, dparam, rows_global: int | None):
     for i, placement in enumerate(dparam.placements):
         if isinstance(placement, Shard) and placement.dim > 0:  # dim 0 is known exactly (uneven shards)
             shape[placement.dim] *= mesh.size(i)
-    stride = tuple(int(torch.Size(shape[i + 1:]).numel()) for i in range(len(shape)))
+    stride = tuple(int(torch.Size(shape[i + 1 :]).numel()) for i in range(len(shape)))
     return DTensor.from_local(t, mesh, dparam.placements, run_check=False, shape=tuple(shape), stride=stride)
 
 
@@ -91,8 +90,7 @@ def _payload_entries(name: str, param: torch.Tensor, local: QuantizedTensor, dpa
     q = local.quantizer
     global_rows = torch.Size(param.shape[:-1]).numel() if param.dim() > 1 else 1  # rows of the [M, K] matrix
     for d in local.directions:
-        sub = q.for_direction(d)
-        fields = codec_for(sub).fields(sub, d)
+        fields = q.codec(d).fields()
         for k, v in local.payload(d).items():
             rows = None if fields[k] is None else -(-global_rows // fields[k])
             v = as_bytes(v) if layout >= 2 else v
@@ -115,8 +113,12 @@ def weight_meta(param: torch.Tensor) -> dict | None:
     local, _ = _local(param)
     if not isinstance(local, QuantizedTensor):
         return None
-    return {"quantizer": repr(local.quantizer), "dtype": str(local.dtype), "directions": tuple(local.directions),
-            "shape": tuple(param.shape)}
+    return {
+        "quantizer": repr(local.quantizer),
+        "dtype": str(local.dtype),
+        "directions": tuple(local.directions),
+        "shape": tuple(param.shape),
+    }
 
 
 def layout1_state_dict(model: torch.nn.Module) -> dict:
@@ -147,8 +149,9 @@ def _source(key: str, state_dict: dict, target: torch.Tensor, legacy: str):
     src = as_bytes(src)
     if isinstance(target, DTensor) and tuple(src.shape) == tuple(target.shape):
         local = local_tensor(target)
-        return distribute_tensor(src.to(local.device), target.device_mesh, target.placements,
-                                 src_data_rank=None).to_local()
+        return distribute_tensor(
+            src.to(local.device), target.device_mesh, target.placements, src_data_rank=None
+        ).to_local()
     return src
 
 
@@ -156,7 +159,8 @@ _NOTHING_HERE = (
     "StateDictOptions(broadcast_from_rank0=True) brings parameters, buffers and extra state to the ranks other than 0, "
     "not the payload entries of quantized parameters: pass the full state dict on every rank "
     "(StateDictOptions(full_state_dict=True)), load a sharded checkpoint with dcp.load, or load high-precision "
-    "values with dtq.checkpoint.load_high_precision")
+    "values with dtq.checkpoint.load_high_precision"
+)
 
 
 def check_weight(name: str, param: torch.Tensor, state_dict: dict, meta: dict | None, errors: list) -> list:
@@ -168,9 +172,11 @@ def check_weight(name: str, param: torch.Tensor, state_dict: dict, meta: dict | 
     if saved is not None and not isinstance(saved, str):  # layout-1 checkpoints hold the quantizer itself
         saved = repr(saved)
     if saved is not None and saved != repr(local.quantizer):
-        errors.append(f"{name}: the checkpoint holds it quantized as {saved}, the model as "
-                      f"{local.quantizer!r}; build the model with the checkpoint's recipe (quantized_params) or "
-                      f"load the checkpoint's values into high-precision weights")
+        errors.append(
+            f"{name}: the checkpoint holds it quantized as {saved}, the model as "
+            f"{local.quantizer!r}; build the model with the checkpoint's recipe (quantized_params) or "
+            f"load the checkpoint's values into high-precision weights"
+        )
         return []
     pairs, missing = [], []
     for d, k, key, target in _payload_entries(name, param, local, dparam):
@@ -180,8 +186,9 @@ def check_weight(name: str, param: torch.Tensor, state_dict: dict, meta: dict | 
             missing.append(key)
             continue
         if tuple(src.shape) != tuple(dst.shape) or src.dtype != dst.dtype:
-            errors.append(f"{key}: the checkpoint has {list(src.shape)} {src.dtype}, the model "
-                          f"{list(dst.shape)} {dst.dtype}")
+            errors.append(
+                f"{key}: the checkpoint has {list(src.shape)} {src.dtype}, the model {list(dst.shape)} {dst.dtype}"
+            )
             continue
         pairs.append((dst, src))
     have = sorted(x for x in state_dict if x.startswith(name + SEP))

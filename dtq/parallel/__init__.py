@@ -9,5 +9,15 @@ from dtq.parallel.offload import offload
 from dtq.parallel.styles import ColwiseParallel, LayerNormMLPParallel, RowwiseParallel
 from dtq.parallel.tp import gather_along_first_dim
 
-__all__ = ["comm_stats", "precompute_amax", "HighPrecisionWeight", "FlatSlice", "quantize_master_weights", "offload",
-           "gather_along_first_dim", "ColwiseParallel", "RowwiseParallel", "LayerNormMLPParallel"]
+__all__ = [
+    "comm_stats",
+    "precompute_amax",
+    "HighPrecisionWeight",
+    "FlatSlice",
+    "quantize_master_weights",
+    "offload",
+    "gather_along_first_dim",
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "LayerNormMLPParallel",
+]

@@ -47,10 +47,12 @@ def precompute_amax(model: torch.nn.Module, recipe=None) -> None:
                 amax = q.local_amax(data.to(dtype))
             except ValueError as e:
                 name = f"{fqn}.{leaf}".lstrip(".")
-                raise ValueError(f"dtq.parallel.precompute_amax: cannot take the amax of {name} (this rank's FSDP2 "
-                                 f"shard {list(local.shape)} of {list(p.shape)}) for {q.format_name}: {e} Keep the "
-                                 f"layer out of dtq.convert (dtq.convert(model, recipe=..., fsdp_world=...) skips and "
-                                 f"reports layers a recipe cannot shard)") from e
+                raise ValueError(
+                    f"dtq.parallel.precompute_amax: cannot take the amax of {name} (this rank's FSDP2 "
+                    f"shard {list(local.shape)} of {list(p.shape)}) for {q.format_name}: {e} Keep the "
+                    f"layer out of dtq.convert (dtq.convert(model, recipe=..., fsdp_world=...) skips and "
+                    f"reports layers a recipe cannot shard)"
+                ) from e
             if amax:
                 groups.setdefault(fsdp_shard_group(ctx.fsdp_param), []).append((local, data, q, dtype, amax))
     for pg, items in groups.items():

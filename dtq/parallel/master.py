@@ -16,17 +16,16 @@ All amaxes of all parameters travel together: one all-reduce per mesh dim that s
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from dtq import _bits
-from dtq.formats import codec_for
-from dtq.formats.base import quantize_payloads
+from dtq._torch_private import local_tensor
+from dtq.codec import quantize_payloads
 from dtq.distributed.amax import all_reduce_max, check_column_shards
 from dtq.tensor import QuantizedTensor
-from dtq._torch_private import local_tensor
 
 
 @dataclasses.dataclass
@@ -40,8 +39,10 @@ class FlatSlice:
 def _local(p: torch.Tensor) -> QuantizedTensor:
     t = local_tensor(p)
     if not isinstance(t, QuantizedTensor):
-        raise TypeError(f"quantize_master_weights: parameter of type {type(t).__name__} is not quantized; pass "
-                        "QuantizedTensor parameters (dtq.convert(..., quantized_params=True))")
+        raise TypeError(
+            f"quantize_master_weights: parameter of type {type(t).__name__} is not quantized; pass "
+            "QuantizedTensor parameters (dtq.convert(..., quantized_params=True))"
+        )
     return t
 
 
@@ -70,8 +71,8 @@ def _write(param: QuantizedTensor, payloads: dict, element_range: tuple[int, int
     for d, payload in payloads.items():
         if not param.has(d):
             continue
-        sub = param.quantizer.for_direction(d)
-        fields = codec_for(sub).fields(sub, d)
+        codec = param.quantizer.codec(d)
+        fields = codec.fields()
         for field, new in payload.items():
             old = param.payload(d)[field]
             if element_range is None or field != "data":
@@ -80,16 +81,19 @@ def _write(param: QuantizedTensor, payloads: dict, element_range: tuple[int, int
             per_elem = new.numel() / (m * k)  # bytes-per-element of the code field (1 or 1/2)
             a, b = element_range[0] * per_elem, element_range[1] * per_elem
             if a != int(a) or b != int(b):
-                raise ValueError(f"quantize_master_weights: a flat slice [{element_range[0]}, {element_range[1]}) of a "
-                                 f"{sub.format_name} parameter must start and end on a whole code byte "
-                                 f"(an even element index)")
-            old.view(-1)[int(a):int(b)].copy_(new.reshape(-1)[int(a):int(b)])
+                raise ValueError(
+                    f"quantize_master_weights: a flat slice [{element_range[0]}, {element_range[1]}) of a "
+                    f"{codec.name} parameter must start and end on a whole code byte "
+                    f"(an even element index)"
+                )
+            old.view(-1)[int(a) : int(b)].copy_(new.reshape(-1)[int(a) : int(b)])
             assert fields[field] is not None
 
 
 @torch.no_grad()
-def quantize_master_weights(params: Sequence[torch.Tensor], masters: Sequence[torch.Tensor | FlatSlice],
-                            group: dist.ProcessGroup | None = None) -> None:
+def quantize_master_weights(
+    params: Sequence[torch.Tensor], masters: Sequence[torch.Tensor | FlatSlice], group: dist.ProcessGroup | None = None
+) -> None:
     """Requantize every parameter's held directions from its FP32 master, in place.
 
     ``params`` are QuantizedTensor parameters (or DTensors of them); ``masters`` the matching
@@ -110,15 +114,18 @@ def quantize_master_weights(params: Sequence[torch.Tensor], masters: Sequence[to
             plans.append(_plan_flat(qt, master, dirs, stats))
         else:
             if tuple(master.shape) != tuple(qt.shape):
-                raise ValueError(f"quantize_master_weights: master of shape {list(master.shape)} for a parameter shard "
-                                 f"of shape {list(qt.shape)}; pass matching dim-0 shards or FlatSlice objects")
+                raise ValueError(
+                    f"quantize_master_weights: master of shape {list(master.shape)} for a parameter shard "
+                    f"of shape {list(qt.shape)}; pass matching dim-0 shards or FlatSlice objects"
+                )
             for d in dirs:
                 if qt.shape2d[0] % q.block_rows(d):
                     raise ValueError(
                         f"quantize_master_weights: a dim-0 shard of {qt.shape2d[0]} rows cannot hold whole "
                         f"{q.block_rows(d)}-row {q.for_direction(d).format_name} {d} blocks; cast such parameters from "
                         f"FlatSlice masters (partial block amaxes are then reduced across ranks) or shard them so that "
-                        f"every shard has a multiple of {q.block_rows(d)} rows")
+                        f"every shard has a multiple of {q.block_rows(d)} rows"
+                    )
             amax = q.local_amax(master, rowwise="rowwise" in dirs, columnwise="columnwise" in dirs)
             first = len(stats)
             stats.extend(amax.values())
@@ -138,8 +145,10 @@ def _plan_flat(qt: QuantizedTensor, sl: FlatSlice, dirs, stats: list):
     m, k = qt.shape2d
     start, end = sl.start, sl.start + sl.data.numel()
     if not 0 <= start <= end <= m * k:
-        raise ValueError(f"quantize_master_weights: FlatSlice [{start}, {end}) is outside the {m * k} elements of a "
-                         f"parameter of shape {list(qt.shape)}")
+        raise ValueError(
+            f"quantize_master_weights: FlatSlice [{start}, {end}) is outside the {m * k} elements of a "
+            f"parameter of shape {list(qt.shape)}"
+        )
     buf = torch.zeros(m * k, dtype=torch.float32, device=sl.data.device)
     buf[start:end] = sl.data.float().reshape(-1)
     ours = torch.zeros(m * k, dtype=torch.bool, device=sl.data.device)
@@ -147,23 +156,27 @@ def _plan_flat(qt: QuantizedTensor, sl: FlatSlice, dirs, stats: list):
     buf, ours = buf.view(m, k), ours.view(m, k)
     entries = {}
     for d in dirs:
-        sub = qt.quantizer.for_direction(d)
-        codec = codec_for(sub)
-        if codec.amax_space(sub, d) != "x":
-            raise ValueError(f"quantize_master_weights: {sub!r} transforms its {d} direction across rows; a flat "
-                             "slice cannot be cast piecewise. Use dim-0 shards for this parameter")
-        tile = codec.tile(sub, d, (m, k))
-        if tile is not None and not codec.scales_from_block_amax(sub, d):
-            raise ValueError(f"quantize_master_weights: {sub!r} chooses each {d} block scale from all the block's "
-                             "values, which a flat slice cutting through blocks does not hold. Use dim-0 shards "
-                             "(whole blocks) for this parameter")
+        codec = qt.quantizer.codec(d)
+        sub = codec.q
+        if codec.amax_space() != "x":
+            raise ValueError(
+                f"quantize_master_weights: {sub!r} transforms its {d} direction across rows; a flat "
+                "slice cannot be cast piecewise. Use dim-0 shards for this parameter"
+            )
+        tile = codec.tile((m, k))
+        if tile is not None and not codec.scales_from_block_amax():
+            raise ValueError(
+                f"quantize_master_weights: {sub!r} chooses each {d} block scale from all the block's "
+                "values, which a flat slice cutting through blocks does not hold. Use dim-0 shards "
+                "(whole blocks) for this parameter"
+            )
         entry = {}
         if tile is not None:
             entry["blocks"] = (len(stats), tile)
             stats.append(_bits.block_amax(buf, tile))
-        if codec.needs_amax(sub, d):
+        if codec.needs_amax():
             entry["amax"] = len(stats)
-            stats.append(codec.local_amax(sub, buf, d))
+            stats.append(codec.local_amax(buf))
         entries[d] = entry
     return ("flat", qt, buf, ours, dirs, entries, (start, end))
 

@@ -6,7 +6,7 @@ to pinned memory on a side stream and prefetches the next tensors backward will 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -24,13 +24,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from dtq.nn.layernorm import LayerNormLinear, LayerNormMLP, _Norm
-from dtq.nn.linear import Linear
 from dtq.distributed import comm
-from dtq.weights import HighPrecisionWeight, unwrap
 from dtq.distributed.tp import TPSpec
 from dtq.distributed.world import check_launched_world
+from dtq.nn.layernorm import LayerNormLinear, LayerNormMLP, _Norm
+from dtq.nn.linear import Linear
 from dtq.tensor import QuantizedTensor
+from dtq.weights import HighPrecisionWeight, unwrap
 
 
 def _distribute(module: torch.nn.Module, pname: str, mesh: DeviceMesh, placement) -> None:
@@ -42,23 +42,29 @@ def _distribute(module: torch.nn.Module, pname: str, mesh: DeviceMesh, placement
         return
     data = unwrap(p.detach())
     if isinstance(data, QuantizedTensor):
-        raise TypeError(f"dtq TP styles: {type(module).__name__}.{pname} is already a QuantizedTensor; apply the TP "
-                        "styles to high-precision weights and quantize afterwards (dtq.convert(model, recipe=..., "
-                        "quantized_params=True) after parallelize_module)")
+        raise TypeError(
+            f"dtq TP styles: {type(module).__name__}.{pname} is already a QuantizedTensor; apply the TP "
+            "styles to high-precision weights and quantize afterwards (dtq.convert(model, recipe=..., "
+            "quantized_params=True) after parallelize_module)"
+        )
     world, rank = mesh.size(), mesh.get_local_rank()
     full = data.detach()
     if full.device.type not in ("meta", mesh.device_type):
-        raise ValueError(f"dtq TP styles: {type(module).__name__}.{pname} is on {full.device} but the TP mesh is on "
-                         f"{mesh.device_type}; move the module to the mesh's device before parallelize_module")
+        raise ValueError(
+            f"dtq TP styles: {type(module).__name__}.{pname} is on {full.device} but the TP mesh is on "
+            f"{mesh.device_type}; move the module to the mesh's device before parallelize_module"
+        )
     if full.device.type != "meta" and world > 1:
         full = full.contiguous().clone()
         dist.broadcast(full, group_src=0, group=mesh.get_group())  # one source of truth, like distribute_tensor
     if isinstance(placement, Shard):
         size = full.shape[placement.dim]
         if size % world:
-            raise ValueError(f"dtq TP styles: {type(module).__name__} {getattr(module, 'name', '')!r}.{pname} of shape "
-                             f"{list(full.shape)} cannot be split evenly along dim {placement.dim} over {world} "
-                             f"tensor-parallel ranks; use sizes divisible by the TP size")
+            raise ValueError(
+                f"dtq TP styles: {type(module).__name__} {getattr(module, 'name', '')!r}.{pname} of shape "
+                f"{list(full.shape)} cannot be split evenly along dim {placement.dim} over {world} "
+                f"tensor-parallel ranks; use sizes divisible by the TP size"
+            )
         local = full.chunk(world, dim=placement.dim)[rank].contiguous()
     else:
         local = full
@@ -77,9 +83,13 @@ def _replicate_norm(norm: _Norm, mesh: DeviceMesh, sequence_parallel: bool) -> N
 def _to_local(x, mesh: DeviceMesh, placement):
     if isinstance(x, DTensor):
         if tuple(x.placements) != (placement,):  # a high-precision collective: counted, warned
-            comm.record_fallback(x.dtype, x.numel() * x.element_size(), "a tensor-parallel module's input",
-                                 f"it arrived as a DTensor with placements {tuple(x.placements)} and is redistributed "
-                                 f"to {placement}; pass the layout the style expects")
+            comm.record_fallback(
+                x.dtype,
+                x.numel() * x.element_size(),
+                "a tensor-parallel module's input",
+                f"it arrived as a DTensor with placements {tuple(x.placements)} and is redistributed "
+                f"to {placement}; pass the layout the style expects",
+            )
             x = x.redistribute(mesh, [placement])
         return x.to_local()
     return x
@@ -101,9 +111,11 @@ class _DtqStyle(ParallelStyle):
     def _check(self, module: torch.nn.Module) -> None:
         if type(module) not in self.accepts:
             names = ", ".join(f"dtq.nn.{c.__name__}" for c in self.accepts)
-            raise TypeError(f"dtq.parallel.{type(self).__name__} applies to {names}, not {type(module).__name__}; "
-                            "convert nn.Linear modules with dtq.convert first, and use torch's SequenceParallel for "
-                            "stand-alone norms")
+            raise TypeError(
+                f"dtq.parallel.{type(self).__name__} applies to {names}, not {type(module).__name__}; "
+                "convert nn.Linear modules with dtq.convert first, and use torch's SequenceParallel for "
+                "stand-alone norms"
+            )
 
     def _distribute_weights(self, module: torch.nn.Module, mesh: DeviceMesh) -> None:
         for name, dim in self.weight_dims.items():
@@ -203,16 +215,19 @@ class LayerNormMLPParallel(_DtqStyle):
         if module.activation == "swiglu":
             ffn = module.fc2_weight.shape[1]
             if module.swiglu_interleave is None or (ffn // world) % module.swiglu_interleave:
-                raise ValueError(f"dtq.parallel.LayerNormMLPParallel: {module.name!r} uses SwiGLU with "
-                                 f"swiglu_interleave={module.swiglu_interleave}; tensor parallelism over {world} ranks "
-                                 f"needs LayerNormMLP(..., swiglu_interleave=B) with B dividing ffn_hidden_size / "
-                                 f"{world} = {ffn / world:g}, so every fc1 shard holds whole gate/up pairs")
+                raise ValueError(
+                    f"dtq.parallel.LayerNormMLPParallel: {module.name!r} uses SwiGLU with "
+                    f"swiglu_interleave={module.swiglu_interleave}; tensor parallelism over {world} ranks "
+                    f"needs LayerNormMLP(..., swiglu_interleave=B) with B dividing ffn_hidden_size / "
+                    f"{world} = {ffn / world:g}, so every fc1 shard holds whole gate/up pairs"
+                )
         self._distribute_weights(module, device_mesh)
         _distribute(module, "fc1_bias", device_mesh, Shard(0))
         _distribute(module, "fc2_bias", device_mesh, Replicate())
         _replicate_norm(module.norm, device_mesh, self.sequence_parallel)
         module.gemm_state.set_tensor_parallel(
-            {0: TPSpec("column", self.sequence_parallel), 1: TPSpec("row", self.sequence_parallel)}, device_mesh)
+            {0: TPSpec("column", self.sequence_parallel), 1: TPSpec("row", self.sequence_parallel)}, device_mesh
+        )
         self._hooks(module, device_mesh)
         return module
 

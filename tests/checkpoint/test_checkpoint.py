@@ -32,8 +32,9 @@ def _dev():
 
 def _model(seed, quantized_params, recipe=None):
     torch.manual_seed(seed)
-    m = torch.nn.Sequential(dtq.nn.LayerNormMLP(H, F, activation="swiglu", name="mlp"),
-                            dtq.nn.Linear(H, H, name="out")).to(_dev())
+    m = torch.nn.Sequential(
+        dtq.nn.LayerNormMLP(H, F, activation="swiglu", name="mlp"), dtq.nn.Linear(H, H, name="out")
+    ).to(_dev())
     if quantized_params:
         dtq.convert(m, recipe=recipe or _recipe(), quantized_params=True)
     return m
@@ -71,7 +72,9 @@ def test_single_process_round_trip(tmp_path, quantized_params):
     a = _model(0, quantized_params)
     sd = a.state_dict()
     if quantized_params:  # codes, not values: payload entries, and no dequantized weight
-        assert "out.weight" not in {k.replace("1.", "out.") for k in sd} and any(k.startswith("1.weight._payload.rowwise.mxfp8-") and k.endswith(".data") for k in sd)
+        assert "out.weight" not in {k.replace("1.", "out.") for k in sd} and any(
+            k.startswith("1.weight._payload.rowwise.mxfp8-") and k.endswith(".data") for k in sd
+        )
     dcp.save(sd, checkpoint_id=str(tmp_path / "dcp"))
     b = _model(1, quantized_params)
     sd_b = b.state_dict()
@@ -85,15 +88,22 @@ def test_single_process_round_trip(tmp_path, quantized_params):
 
 
 def _snapshot(model):
-    return {n: (p.dequantize() if isinstance(p, dtq.QuantizedTensor) else p.detach()).clone()
-            for n, p in model.named_parameters()}
+    return {
+        n: (p.dequantize() if isinstance(p, dtq.QuantizedTensor) else p.detach()).clone()
+        for n, p in model.named_parameters()
+    }
 
 
 def _mismatches(src: dict):
     """(name, recipe of the target model, mutation of the source state dict, expected error)."""
     key = next(k for k in src if k.startswith("1.weight._payload.rowwise.") and k.endswith(".data"))
     return [
-        ("wrong format", dtq.MXFP8BlockScaling(), None, r"holds it quantized as HybridQuantizer.*the model as MXFP8Quantizer"),
+        (
+            "wrong format",
+            dtq.MXFP8BlockScaling(),
+            None,
+            r"holds it quantized as HybridQuantizer.*the model as MXFP8Quantizer",
+        ),
         ("missing key", None, lambda sd: sd.pop(key.replace(".data", ".scale")), r"missing from the checkpoint"),
         ("shape mismatch", None, lambda sd: sd.__setitem__(key, sd[key][:64]), r"the checkpoint has \[64, 128\]"),
     ]
@@ -118,15 +128,24 @@ def test_mismatched_dcp_checkpoints_fail_before_writing(tmp_path):
     another shape must stop at planning, before any byte lands."""
     src = _model(0, True)
     dcp.save(src.state_dict(), checkpoint_id=str(tmp_path / "hybrid"))
-    for name, target in [("wrong format", _model(5, True, dtq.MXFP8BlockScaling())),
-                         ("wrong shape", dtq.convert(torch.nn.Sequential(dtq.nn.LayerNormMLP(H, F, activation="swiglu"),
-                                                                         dtq.nn.Linear(H, 2 * H)),
-                                                     recipe=_recipe(), quantized_params=True))]:
+    for name, target in [
+        ("wrong format", _model(5, True, dtq.MXFP8BlockScaling())),
+        (
+            "wrong shape",
+            dtq.convert(
+                torch.nn.Sequential(dtq.nn.LayerNormMLP(H, F, activation="swiglu"), dtq.nn.Linear(H, 2 * H)),
+                recipe=_recipe(),
+                quantized_params=True,
+            ),
+        ),
+    ]:
         before = _snapshot(target)
         with pytest.raises(CheckpointException) as failure:  # DCP wraps the planner's error per rank
             dcp.load(target.state_dict(), checkpoint_id=str(tmp_path / "hybrid"))
-        assert re.search(r"Missing key in checkpoint state_dict: 0\.fc1_weight\._payload\.\w+\.mxfp8-|Size mismatch",
-                         repr(failure.value) + str(failure.value)), repr(failure.value)
+        assert re.search(
+            r"Missing key in checkpoint state_dict: 0\.fc1_weight\._payload\.\w+\.mxfp8-|Size mismatch",
+            repr(failure.value) + str(failure.value),
+        ), repr(failure.value)
         for n, p in _snapshot(target).items():
             assert torch.equal(p, before[n]), (name, n)
 
@@ -165,11 +184,12 @@ def _load_sharded(rank, world, path, quantized_params, recipe="hybrid"):
     m.load_state_dict(sd)
     ref = _model(0, quantized_params, _recipe(recipe))
     from torch.distributed.tensor import DTensor
+
     for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
         loc = p._local_tensor if isinstance(p, DTensor) else p
         if isinstance(loc, dtq.QuantizedTensor):
             rows = -(-q.shape[0] // world)
-            shard = q[rank * rows:(rank + 1) * rows]
+            shard = q[rank * rows : (rank + 1) * rows]
             for d in loc.directions:
                 for k, v in loc.payload(d).items():
                     assert torch.equal(_bits(v), _bits(shard.payload(d)[k])), (n, d, k)
@@ -258,8 +278,12 @@ def _check_hp_bridges(rank, world, path):
     dtq.checkpoint.export_safetensors(m, path, dtype=torch.float32, optimizer=opt)
     dist.barrier()
     exported = load_file(path)
-    masters = {n: mm.full_tensor() for (n, p), mm in zip(
-        [(n, p) for n, p in m.named_parameters() if isinstance(p._local_tensor, dtq.QuantizedTensor)], opt.masters)}
+    masters = {
+        n: mm.full_tensor()
+        for (n, p), mm in zip(
+            [(n, p) for n, p in m.named_parameters() if isinstance(p._local_tensor, dtq.QuantizedTensor)], opt.masters
+        )
+    }
     for n, p in m.named_parameters():
         if n in masters:
             assert torch.equal(exported[n], masters[n].cpu()), n
@@ -278,7 +302,7 @@ def _check_hp_bridges(rank, world, path):
         if isinstance(loc, dtq.QuantizedTensor):
             whole = q.quantizer.quantize(exported[n].to(_dev()))
             rows = -(-q.shape[0] // world)
-            shard = whole[rank * rows:(rank + 1) * rows]
+            shard = whole[rank * rows : (rank + 1) * rows]
             for d in loc.directions:
                 for k, v in loc.payload(d).items():
                     assert torch.equal(_bits(v), _bits(shard.payload(d)[k])), (n, d, k)

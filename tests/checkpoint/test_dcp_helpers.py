@@ -12,12 +12,17 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     get_state_dict, set_model_state_dict, set_optimizer_state_dict,
-                                                     set_state_dict)
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -27,16 +32,28 @@ from dtq.testing import spawn
 H, T = 128, 32  # 128 rows: whole 32-row MXFP8 and 16-row NVFP4 blocks on each of 2 ranks
 # Quantized parameters of each format family; high-precision shards save plain values whatever
 # the recipe, so one recipe covers them.
-CASES = [("mxfp8", False), ("fp8", True), ("fp8_rows", True), ("blocks", True), ("mxfp8", True), ("nvfp4", True),
-         ("hybrid", True)]
+CASES = [
+    ("mxfp8", False),
+    ("fp8", True),
+    ("fp8_rows", True),
+    ("blocks", True),
+    ("mxfp8", True),
+    ("nvfp4", True),
+    ("hybrid", True),
+]
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # torchtitan's sharded checkpoints
 
 
 def _recipe(fmt: str):
-    return {"fp8": dtq.Float8CurrentScaling(), "fp8_rows": dtq.Float8RowwiseScaling(),
-            "blocks": dtq.Float8BlockScaling(), "mxfp8": dtq.MXFP8BlockScaling(), "nvfp4": dtq.NVFP4BlockScaling(),
-            "hybrid": dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling())}[fmt]
+    return {
+        "fp8": dtq.Float8CurrentScaling(),
+        "fp8_rows": dtq.Float8RowwiseScaling(),
+        "blocks": dtq.Float8BlockScaling(),
+        "mxfp8": dtq.MXFP8BlockScaling(),
+        "nvfp4": dtq.NVFP4BlockScaling(),
+        "hybrid": dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling()),
+    }[fmt]
 
 
 def _hidden(fmt: str) -> int:
@@ -58,7 +75,7 @@ def _fresh(fmt: str, qp: bool, seed: int, mesh=None):
 
 def _trained(fmt: str, qp: bool, rank: int, mesh):
     m, opt = _fresh(fmt, qp, 0, mesh)
-    x = torch.randn(2 * T, _hidden(fmt), generator=torch.Generator().manual_seed(1))[rank * T:(rank + 1) * T]
+    x = torch.randn(2 * T, _hidden(fmt), generator=torch.Generator().manual_seed(1))[rank * T : (rank + 1) * T]
     with dtq.autocast(_recipe(fmt)):
         m(x).square().mean().backward()
     opt.step()  # masters and AdamW state to save; the masters now differ from the dequantized payloads
@@ -112,8 +129,11 @@ def _save(root: str, rank: int, mesh=None) -> None:
         hp_masters = dtq.checkpoint.high_precision_state_dict(m, torch.float32, optimizer=opt)
         hp_payloads = dtq.checkpoint.high_precision_state_dict(m, torch.float32)
         if rank == 0:
-            assert all(not isinstance(v, DTensor) and v.device.type == "cpu"
-                       for v in full["model"].values() if isinstance(v, torch.Tensor))
+            assert all(
+                not isinstance(v, DTensor) and v.device.type == "cpu"
+                for v in full["model"].values()
+                if isinstance(v, torch.Tensor)
+            )
             if qp:
                 for name in ("0.fc1_weight", "0.fc2_weight", "1.weight"):
                     assert torch.equal(hp_masters[name], full["optim"]["state"][name]["master"]), name
@@ -178,7 +198,9 @@ def _plain_optimizer_warning(rank, mesh) -> None:
         warnings.simplefilter("always")
         opt.step()
     ours = [str(w.message) for w in caught if "quantized parameter" in str(w.message)]
-    assert len(ours) == 1 and "AdamW updates 3 quantized parameter(s) in place, the first mlp.fc1_weight" in ours[0], ours
+    assert len(ours) == 1 and "AdamW updates 3 quantized parameter(s) in place, the first mlp.fc1_weight" in ours[0], (
+        ours
+    )
 
 
 def test_state_dict_helpers_save_on_1_load_on_2_and_back(tmp_path):
@@ -219,8 +241,10 @@ def test_earlier_layouts_still_load(tmp_path):
 
     m, opt = _fresh("hybrid", True, 2)  # from disk, through the layout-1 templates
     opt.state_dict()  # materializes AdamW's state
-    templates = {"model": dtq.checkpoint.layout1_state_dict(m),
-                 "optim": {"inner": opt.inner.state_dict(), "masters": [x.detach() for x in opt.masters]}}
+    templates = {
+        "model": dtq.checkpoint.layout1_state_dict(m),
+        "optim": {"inner": opt.inner.state_dict(), "masters": [x.detach() for x in opt.masters]},
+    }
     dcp.load(templates, checkpoint_id=str(tmp_path))
     m.load_state_dict(templates["model"])
     opt.load_state_dict(templates["optim"])
@@ -232,11 +256,14 @@ def test_plain_optimizer_on_quantized_parameters_warns_once(monkeypatch):
 
     monkeypatch.setattr(dtq._warn, "_warned", set())
     recipe = dtq.Float8CurrentScaling()
-    for make, expected in [(lambda ps: dtq.optim.MasterWeightOptimizer(ps, torch.optim.AdamW, lr=1e-4), 0),
-                           (lambda ps: torch.optim.AdamW(ps, lr=1e-4), 1)]:
+    for make, expected in [
+        (lambda ps: dtq.optim.MasterWeightOptimizer(ps, torch.optim.AdamW, lr=1e-4), 0),
+        (lambda ps: torch.optim.AdamW(ps, lr=1e-4), 1),
+    ]:
         torch.manual_seed(0)
-        m = dtq.convert(torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.Linear(H, H)), recipe=recipe,
-                        quantized_params=True)
+        m = dtq.convert(
+            torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.Linear(H, H)), recipe=recipe, quantized_params=True
+        )
         opt = make(m.parameters())
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -247,5 +274,7 @@ def test_plain_optimizer_on_quantized_parameters_warns_once(monkeypatch):
                 opt.zero_grad()
         ours = [str(w.message) for w in caught if "quantized parameter" in str(w.message)]
         assert len(ours) == expected, ours
-    assert "AdamW updates 2 quantized parameter(s) in place, the first 0.weight (param_groups[0]['params'][0]" in ours[0]
+    assert (
+        "AdamW updates 2 quantized parameter(s) in place, the first 0.weight (param_groups[0]['params'][0]" in ours[0]
+    )
     assert "dtq.optim.MasterWeightOptimizer(params, torch.optim.AdamW" in ours[0]

@@ -49,8 +49,10 @@ def fp32(v) -> torch.Tensor:
 def assert_fp8(actual: torch.Tensor, dtype: torch.dtype, expected_u8: torch.Tensor) -> None:
     assert actual.dtype == dtype, actual.dtype
     got = u8(actual)
-    assert torch.equal(got, expected_u8), f"\n got      {[hex(v) for v in got.flatten().tolist()]}\n expected " \
-                                          f"{[hex(v) for v in expected_u8.flatten().tolist()]}"
+    assert torch.equal(got, expected_u8), (
+        f"\n got      {[hex(v) for v in got.flatten().tolist()]}\n expected "
+        f"{[hex(v) for v in expected_u8.flatten().tolist()]}"
+    )
 
 
 def assert_f32(actual: torch.Tensor, expected: torch.Tensor) -> None:

@@ -33,14 +33,22 @@ def test_scales_per_row_and_per_column_exact_values():
 def test_rounding_zero_nan_inf_and_pow2():
     q = dtq.Float8RowwiseQuantizer()
     # 0.3 * 448 = 134.4: E4M3 neighbours 128 and 144 (step 16 in [128, 256)), nearest 128
-    assert _codes(q.quantize(torch.tensor([[1.0, 0.3]]), columnwise=False).payload("rowwise")).tolist() == [[448.0, 128.0]]
-    p = q.quantize(torch.tensor([[0.0, 0.0], [float("nan"), 1.0], [float("inf"), 1.0]]), columnwise=False).payload("rowwise")
+    assert _codes(q.quantize(torch.tensor([[1.0, 0.3]]), columnwise=False).payload("rowwise")).tolist() == [
+        [448.0, 128.0]
+    ]
+    p = q.quantize(torch.tensor([[0.0, 0.0], [float("nan"), 1.0], [float("inf"), 1.0]]), columnwise=False).payload(
+        "rowwise"
+    )
     # amax 0 or non-finite -> scale 1; NaN -> code 0x7F; inf saturates to 448
     assert torch.equal(p["scale_inv"], torch.ones(3, 1))
     assert p["data"].view(torch.uint8)[1, 0].item() == 0x7F
     assert p["data"][2].float().tolist() == [448.0, 1.0]
     # pow2: 448 / 3 = 149.3 rounds down to 128; E5M2 max 57344
-    p = dtq.Float8RowwiseQuantizer(pow2_scales=True).quantize(torch.tensor([[3.0, 1.0]]), columnwise=False).payload("rowwise")
+    p = (
+        dtq.Float8RowwiseQuantizer(pow2_scales=True)
+        .quantize(torch.tensor([[3.0, 1.0]]), columnwise=False)
+        .payload("rowwise")
+    )
     assert p["scale_inv"].item() == 1 / 128 and _codes(p).tolist() == [[384.0, 128.0]]
     p = dtq.Float8RowwiseQuantizer(E5).quantize(torch.tensor([[2.0, 1.0]]), columnwise=False).payload("rowwise")
     assert p["data"].dtype == E5 and _codes(p).tolist() == [[57344.0, 28672.0]]
@@ -57,8 +65,11 @@ def test_shards_share_the_column_amax():
     for d in whole.directions:
         for k, v in whole[16:32].payload(d).items():
             assert torch.equal(shard.payload(d)[k].view(torch.uint8), v.view(torch.uint8)), (d, k)
-    with pytest.raises(ValueError, match=r"the columnwise amax has shape \[\], but a tensor viewed as \[M, K\] = "
-                                         r"\[64, 32\] needs \[1, 32\] for Float8RowwiseQuantizer"):
+    with pytest.raises(
+        ValueError,
+        match=r"the columnwise amax has shape \[\], but a tensor viewed as \[M, K\] = "
+        r"\[64, 32\] needs \[1, 32\] for Float8RowwiseQuantizer",
+    ):
         q.quantize(x, amax=torch.tensor(3.0))
 
 
@@ -79,9 +90,11 @@ def test_row_scaled_operands_of_the_three_gemms():
     (what torch._scaled_mm's row-wise scaling applies after the product); the others do not."""
     q = dtq.Float8RowwiseQuantizer()
     x, w, dy = (q.quantize(torch.randn(s)) for s in ((32, 64), (48, 64), (32, 48)))
-    gemms = {"fprop": (Operand(x), Operand(w, transpose=True)),
-             "dgrad": (Operand(dy), Operand(w, "columnwise")),
-             "wgrad": (Operand(dy, "columnwise", transpose=True), Operand(x, "columnwise"))}
+    gemms = {
+        "fprop": (Operand(x), Operand(w, transpose=True)),
+        "dgrad": (Operand(dy), Operand(w, "columnwise")),
+        "wgrad": (Operand(dy, "columnwise", transpose=True), Operand(x, "columnwise")),
+    }
     for name, (a, b) in gemms.items():
         assert _row_scales(a, False) and _row_scales(b, True), name
     # a direction whose scales run along the contraction dim

@@ -74,12 +74,15 @@ def test_float8_e4m3_pow2_scales_round_down():
     assert_f32(t.dequantize(torch.float32), fp32([[3.0, 1.0, -0.5, 13 / 128]]))
 
 
-@pytest.mark.parametrize("amax, scale_inv", [
-    (3.5, 2.0**-7),   # 448/3.5 = 128 exactly, already a power of two -> kept
-    (7.0, 2.0**-6),   # 448/7 = 64
-    (1.0, 2.0**-8),   # 448 -> 256
-    (1000.0, 4.0),    # 0.448 -> 0.25
-])
+@pytest.mark.parametrize(
+    "amax, scale_inv",
+    [
+        (3.5, 2.0**-7),  # 448/3.5 = 128 exactly, already a power of two -> kept
+        (7.0, 2.0**-6),  # 448/7 = 64
+        (1.0, 2.0**-8),  # 448 -> 256
+        (1000.0, 4.0),  # 0.448 -> 0.25
+    ],
+)
 def test_float8_pow2_scale_values(amax, scale_inv):
     x = torch.tensor([[amax, -amax / 2]])
     p = dtq.Float8Quantizer(pow2_scales=True).quantize(x).payload("rowwise")
@@ -157,8 +160,7 @@ def test_float8_e4m3_subnormals_and_negative_zero():
     #   -2^-9    -> 0x81
     #   -2^-11   -> rounds to -0                         -> 0x80
     #   -0.0     -> 0x80 (sign kept)
-    x = torch.tensor([[448.0, 2**-9, 3 * 2**-9, 2**-10, 3 * 2**-10, 7 * 2**-9, 15 * 2**-10, -(2**-9), -(2**-11),
-                       -0.0]])
+    x = torch.tensor([[448.0, 2**-9, 3 * 2**-9, 2**-10, 3 * 2**-10, 7 * 2**-9, 15 * 2**-10, -(2**-9), -(2**-11), -0.0]])
     p = dtq.Float8Quantizer().quantize(x).payload("rowwise")
     assert_fp8(p["data"], E4, codes([[0x7E, 0x01, 0x03, 0x00, 0x02, 0x07, 0x08, 0x81, 0x80, 0x80]]))
     assert_f32(p["scale_inv"], fp32(1.0))

@@ -14,9 +14,9 @@ from tests.formats._golden import E4, E5, assert_f32, assert_fp8, f32, fp32
 def _block_1x128_input():
     # [2, 256]: four (1,128) blocks
     x = torch.zeros(2, 256)
-    x[0, 0], x[0, 1], x[0, 2] = 3.0, -1.0, 0.1        # block (0,0): amax 3
+    x[0, 0], x[0, 1], x[0, 2] = 3.0, -1.0, 0.1  # block (0,0): amax 3
     # block (0,1): all zero
-    x[1, 0], x[1, 5] = 0.5, -0.25                     # block (1,0): amax 0.5
+    x[1, 0], x[1, 5] = 0.5, -0.25  # block (1,0): amax 0.5
     x[1, 128], x[1, 200], x[1, 255] = 1000.0, 1.0, -3.0  # block (1,1): amax 1000
     return x
 
@@ -86,10 +86,10 @@ def test_float8_block_1x128_e5m2_and_partial_block():
 def _block_128_edge_input():
     # [130, 200]: (128,128) blocks rows [0,128) / [128,130), cols [0,128) / [128,200)
     x = torch.zeros(130, 200)
-    x[5, 7], x[127, 127] = 3.0, -1.0        # block (0,0): amax 3
-    x[0, 199], x[127, 128] = 1000.0, 1.0    # block (0,1): amax 1000 (partial along K)
-    x[129, 0], x[128, 127] = 0.5, -0.25     # block (1,0): amax 0.5 (partial along M)
-    x[129, 199], x[128, 128] = 7.0, 0.1     # block (1,1): amax 7 (partial along both)
+    x[5, 7], x[127, 127] = 3.0, -1.0  # block (0,0): amax 3
+    x[0, 199], x[127, 128] = 1000.0, 1.0  # block (0,1): amax 1000 (partial along K)
+    x[129, 0], x[128, 127] = 0.5, -0.25  # block (1,0): amax 0.5 (partial along M)
+    x[129, 199], x[128, 128] = 7.0, 0.1  # block (1,1): amax 7 (partial along both)
     return x
 
 

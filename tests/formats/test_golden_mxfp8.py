@@ -121,8 +121,8 @@ def test_mxfp8_nonfinite_block(dtype, rounding, bad):
 def test_mxfp8_layout_rowwise_and_columnwise():
     # [2, 64] = four blocks: (0,0) amax 448 -> 127; (0,1) amax 1 -> 119; (1,0) zero -> 0; (1,1) amax 449 -> 128
     x = torch.zeros(2, 64)
-    x[0, 3] = -448.0          # -> 0xFE
-    x[0, 40] = 1.0            # 256 -> 0x78
+    x[0, 3] = -448.0  # -> 0xFE
+    x[0, 40] = 1.0  # 256 -> 0x78
     x[1, 63], x[1, 32] = 449.0, 3.0  # /2: 224.5 -> 0x76; 1.5 -> 0 0111 100 = 0x3C
     exp_scale = codes([[127, 119], [0, 128]])
     exp = torch.zeros(2, 64, dtype=torch.uint8)

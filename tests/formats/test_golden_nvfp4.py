@@ -195,7 +195,7 @@ def test_nvfp4_nan_input():
     x[0, 16], x[0, 17] = 6.0, 3.0
     t = dtq.NVFP4Quantizer().quantize(x, columnwise=False)
     p = t.payload("rowwise")
-    assert (int(p["data"][0, 1]) & 0x0F) == 0x7          # element 2 -> low nibble of byte 1
+    assert (int(p["data"][0, 1]) & 0x0F) == 0x7  # element 2 -> low nibble of byte 1
     assert torch.equal(p["data"][0, 8:], codes([0x57, 0, 0, 0, 0, 0, 0, 0]))
     assert u8(p["scale"])[0, 1].item() == 0x38
     dq = t.dequantize(torch.float32)

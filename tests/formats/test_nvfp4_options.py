@@ -18,9 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import dtq
 from dtq import kernels
 from dtq.nn.state_dict import format_tag
-from dtq.formats.base import codec_for
 from dtq.testing import spawn
-from tests._quantizers import E2M1, assert_payload_equal, bits, decode_e2m1, payload_rows, randn, unpack_e2m1
+from tests._quantizers import E2M1, assert_payload_equal, bits, payload_rows, randn, unpack_e2m1
 from tests.formats.test_properties import _elementwise_bound
 
 NV = dtq.NVFP4Quantizer
@@ -75,21 +74,25 @@ def test_defaults_keep_their_bits_and_checkpoint_tags():
     assert NV(e4m3_max=256) == NV(e4m3_max=256.0) and repr(NV(e4m3_max=256)) == repr(NV(e4m3_max=256.0))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(block=(16, 16), row_scaled=True), "row_scaled=True .* block=\\(1, 16\\)"),
-    (dict(row_scaled=1), "row_scaled must be True or False"),
-    (dict(four_over_six="mse"), "four_over_six must be True or False"),
-    (dict(four_over_six=True, four_over_six_error="max"), "four_over_six_error='max' is not one of"),
-    (dict(four_over_six_error="mse"), "only applies with four_over_six=True"),
-    (dict(e4m3_max=500), "e4m3_max=500 must be an E4M3 value in \\[1, 448\\]"),
-    (dict(e4m3_max=0.5), "e4m3_max=0.5"),
-    (dict(e4m3_max=300), "e4m3_max=300"),  # between the E4M3 values 288 and 320
-    (dict(e4m3_max=True), "e4m3_max=True"),
-    (dict(hadamard_seed=-1), "hadamard_seed=-1 must be an int in \\[0, 2\\*\\*32\\)"),
-    (dict(hadamard_seed=2**32), "hadamard_seed=4294967296"),
-    (dict(hadamard_seed=1.5), "hadamard_seed=1.5"),
-    (dict(hadamard_seed=True), "hadamard_seed=True"),
-], ids=lambda v: str(v) if isinstance(v, dict) else "")
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(block=(16, 16), row_scaled=True), "row_scaled=True .* block=\\(1, 16\\)"),
+        (dict(row_scaled=1), "row_scaled must be True or False"),
+        (dict(four_over_six="mse"), "four_over_six must be True or False"),
+        (dict(four_over_six=True, four_over_six_error="max"), "four_over_six_error='max' is not one of"),
+        (dict(four_over_six_error="mse"), "only applies with four_over_six=True"),
+        (dict(e4m3_max=500), "e4m3_max=500 must be an E4M3 value in \\[1, 448\\]"),
+        (dict(e4m3_max=0.5), "e4m3_max=0.5"),
+        (dict(e4m3_max=300), "e4m3_max=300"),  # between the E4M3 values 288 and 320
+        (dict(e4m3_max=True), "e4m3_max=True"),
+        (dict(hadamard_seed=-1), "hadamard_seed=-1 must be an int in \\[0, 2\\*\\*32\\)"),
+        (dict(hadamard_seed=2**32), "hadamard_seed=4294967296"),
+        (dict(hadamard_seed=1.5), "hadamard_seed=1.5"),
+        (dict(hadamard_seed=True), "hadamard_seed=True"),
+    ],
+    ids=lambda v: str(v) if isinstance(v, dict) else "",
+)
 def test_invalid_settings_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         NV(**kwargs)
@@ -158,7 +161,7 @@ def test_four_over_six_golden():
     ]
     x = torch.zeros(len(rows), 16)
     for i, (vals, _, _) in enumerate(rows):
-        x[i, :len(vals)] = _fp32(*vals)
+        x[i, : len(vals)] = _fp32(*vals)
     for mode, col in (("mae", 1), ("mse", 2)):
         q = NV(four_over_six=True, four_over_six_error=mode)
         p = q.quantize(x, columnwise=False, amax=S1).payload("rowwise")
@@ -227,14 +230,14 @@ def test_hadamard_sign_mask_seed():
     masks = {0: 0xAE5C, 7: 0x8678, 12345: 0x0151, None: 0}
     for seed, mask in masks.items():
         q = NV(random_hadamard=True, hadamard_seed=seed)
-        assert codec_for(q).kernel_spec(q, "columnwise", (16, 16), torch.float32).hadamard_signs == mask
-        assert codec_for(q).rotation(q, "columnwise") == ("hadamard16", seed)
+        assert q.codec("columnwise").kernel_spec((16, 16), torch.float32).hadamard_signs == mask
+        assert q.codec("columnwise").rotation() == ("hadamard16", seed)
     # no mask: T e_0 = H16[:, 0] / 4 = 0.25 everywhere
     x = torch.zeros(16, 16)
     x[0, 0] = 1.0
     q = NV(random_hadamard=True, hadamard_seed=None)
     t = q.quantize(x, rowwise=False, amax=torch.tensor(0.25))
-    vals, _ = codec_for(q).dequantize_rotated(q, t.payload("columnwise"), "columnwise", (16, 16))
+    vals, _ = q.codec("columnwise").dequantize(t.payload("columnwise"), (16, 16), rotated=True)
     assert torch.equal(vals[:, 0], torch.full((16,), 6.0 * 448.0))  # S_enc = 2688 / 0.25; s_b = 448; code 6
     assert torch.equal(t.dequantize(), x)
     # wgrad dW = dY^T X with rotated operands: same seed -> multiplied rotated; different -> not
@@ -246,7 +249,9 @@ def test_hadamard_sign_mask_seed():
         oa, ob = dtq.gemm.Operand(a, "columnwise", transpose=True), dtq.gemm.Operand(b, "columnwise")
         assert dtq.gemm._shared_rotation(oa, ob) == shared
         got = dtq.gemm.mm(oa, ob).double()
-        deq = a.dequantize(torch.float64, direction="columnwise").T @ b.dequantize(torch.float64, direction="columnwise")
+        deq = a.dequantize(torch.float64, direction="columnwise").T @ b.dequantize(
+            torch.float64, direction="columnwise"
+        )
         assert (got - deq).abs().max() <= 1e-5 * deq.abs().max() and (got - ref).norm() < 0.3 * ref.norm()
 
 
@@ -289,8 +294,11 @@ def _block_errors(q, x, tile, mode):
 
 
 @pytest.mark.parametrize("mode", ["mae", "mse"])
-@pytest.mark.parametrize("tile, kw", [((1, 16), {}), ((16, 1), {}), ((16, 16), dict(block=(16, 16))),
-                                      ((1, 16), dict(row_scaled=True))], ids=["1x16", "16x1", "16x16", "row_scaled"])
+@pytest.mark.parametrize(
+    "tile, kw",
+    [((1, 16), {}), ((16, 1), {}), ((16, 16), dict(block=(16, 16))), ((1, 16), dict(row_scaled=True))],
+    ids=["1x16", "16x1", "16x16", "row_scaled"],
+)
 def test_four_over_six_is_never_worse_per_block(tile, kw, mode):
     """Per block, by its own error measure, 4/6 is at most the plain (divisor 6) error (up to the
     fp32 rounding of the measure), better on some blocks, and its scale is one of the candidates."""
@@ -334,15 +342,20 @@ def test_gemms_apply_row_scaled_factors():
     """fprop, dgrad and wgrad of row-scaled operands: the per-row / per-column factors lie along
     the output dims, so the emulated GEMM is the product of the dequantized operands."""
     g = torch.Generator().manual_seed(6)
-    x, w, dy = (torch.randn(*s, generator=g) * 10.0 ** (torch.rand(s[0], 1, generator=g) * 4 - 2)
-                for s in ((32, 64), (48, 64), (32, 48)))
+    x, w, dy = (
+        torch.randn(*s, generator=g) * 10.0 ** (torch.rand(s[0], 1, generator=g) * 4 - 2)
+        for s in ((32, 64), (48, 64), (32, 48))
+    )
     qx = NV(row_scaled=True, four_over_six=True).quantize(x)
     qw = NV(row_scaled=True, e4m3_max=256).quantize(w)
     qdy = NV(row_scaled=True, random_hadamard=True, hadamard_seed=3).quantize(dy)
     qx_rht = NV(row_scaled=True, random_hadamard=True, hadamard_seed=3).quantize(x)
-    O = dtq.gemm.Operand
-    cases = [(O(qx), O(qw, transpose=True)), (O(qdy), O(qw, "columnwise")),
-             (O(qdy, "columnwise", transpose=True), O(qx_rht, "columnwise"))]
+    op = dtq.gemm.Operand
+    cases = [
+        (op(qx), op(qw, transpose=True)),
+        (op(qdy), op(qw, "columnwise")),
+        (op(qdy, "columnwise", transpose=True), op(qx_rht, "columnwise")),
+    ]
     for a, b in cases:
         da = a.tensor.dequantize(torch.float64, direction=a.direction)
         db = b.tensor.dequantize(torch.float64, direction=b.direction)
@@ -390,7 +403,7 @@ def _check_distributed(rank, world):
     # sequence-parallel gathers: the whole tensor's payloads (row amaxes gathered, column ones reduced)
     whole = (torch.randn(world * 32, 128, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
     whole[5] *= 1e-4
-    local = whole[rank * 32:(rank + 1) * 32]
+    local = whole[rank * 32 : (rank + 1) * 32]
     for q in (NV(row_scaled=True, four_over_six=True), NV(row_scaled=True, random_hadamard=True, hadamard_seed=5)):
         dtq.parallel.comm_stats(reset=True)
         got = dtq.parallel.gather_along_first_dim(local, quantizer=q, rowwise=True, columnwise=True)
@@ -470,7 +483,7 @@ def _valid(q, shape, dirs):
     try:
         for d, on in zip(dtq.DIRECTIONS, dirs):
             if on:
-                codec_for(q.for_direction(d)).check_shape(q.for_direction(d), shape, d)
+                q.codec(d).check_shape(shape)
     except ValueError:
         return False
     return True
@@ -498,14 +511,19 @@ def _kernel_cases(names, generic, monkeypatch):
                     del spy[:]
                     got = q.quantize(x.cuda(), **kw)
                     ran = bool(spy) and spy[-1]
-                    falls_back = generic and any(getattr(q.for_direction(d), "block", None) == (16, 16)
-                                                 and q.for_direction(d).four_over_six
-                                                 for d, on in zip(dtq.DIRECTIONS, dirs) if on)
+                    falls_back = generic and any(
+                        getattr(q.for_direction(d), "block", None) == (16, 16) and q.for_direction(d).four_over_six
+                        for d, on in zip(dtq.DIRECTIONS, dirs)
+                        if on
+                    )
                     assert ran != falls_back, f"{name} {shape} {dtype} {dirs}: kernel ran={ran}"
                     want = q.quantize(x, **kw)
                     for d in want.directions:
-                        assert_payload_equal({k: v.cpu() for k, v in got.payload(d).items()}, want.payload(d),
-                                             f"{name} {shape} {dtype} {iname} {dirs} {d}")
+                        assert_payload_equal(
+                            {k: v.cpu() for k, v in got.payload(d).items()},
+                            want.payload(d),
+                            f"{name} {shape} {dtype} {iname} {dirs} {d}",
+                        )
                     n += 1
     assert n > 0
 
@@ -517,8 +535,17 @@ def test_kernel_bits_match_reference(name, monkeypatch):
 
 
 @needs_cuda
-@pytest.mark.parametrize("name", ["row_scaled_fos_sr", "row_scaled_rht_fos", "rht_fos_mse_sr", "16x16_fos",
-                                  "fos_mse_e4m3_256", "mxfp8/nvfp4_row_scaled_fos"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "row_scaled_fos_sr",
+        "row_scaled_rht_fos",
+        "rht_fos_mse_sr",
+        "16x16_fos",
+        "fos_mse_e4m3_256",
+        "mxfp8/nvfp4_row_scaled_fos",
+    ],
+)
 def test_generic_kernel_bits_match_reference(name, monkeypatch):
     """The generic kernel (DTQ_GENERIC_QUANTIZE=1) on the same cases; for 4/6 16x16 blocks it has no
     code: the reference runs (one warning), never a wrong kernel."""
@@ -533,16 +560,19 @@ def test_given_amax_vectors_and_dequantize_kernels(name):
     dequantize kernels (fp32, factored, bf16) against the reference."""
     q = OPTIONS[name]
     x = _data(128, 256, seed=12)
-    amax = {d: a * torch.rand(a.shape, generator=torch.Generator().manual_seed(1)) * 2 for d, a in q.local_amax(x).items()}
+    amax = {
+        d: a * torch.rand(a.shape, generator=torch.Generator().manual_seed(1)) * 2 for d, a in q.local_amax(x).items()
+    }
     got = q.quantize(x.cuda(), amax={d: a.cuda() for d, a in amax.items()}, seed=torch.tensor(5, device="cuda"))
     want = q.quantize(x, amax=amax, seed=5)
     for d in want.directions:
         assert_payload_equal({k: v.cpu() for k, v in got.payload(d).items()}, want.payload(d), f"{name} {d}")
-        sub, codec = q.for_direction(d), codec_for(q.for_direction(d))
-        assert codec.kernel_dequantize(sub, got.payload(d), d, (128, 256)) is not None
-        ref = codec.dequantize(sub, want.payload(d), d, (128, 256))
-        torch.testing.assert_close(codec.dequantize(sub, got.payload(d), d, (128, 256)).cpu(), ref, rtol=0, atol=0,
-                                   equal_nan=True)
-        rv, rf = codec.dequantize_factored(sub, want.payload(d), d, (128, 256))
-        gv, gf = codec.dequantize_factored(sub, got.payload(d), d, (128, 256), torch.bfloat16)
+        codec = q.codec(d)
+        assert codec.dequantize(got.payload(d), (128, 256), kernel_only=True) is not None
+        ref = codec.dequantize(want.payload(d), (128, 256))
+        torch.testing.assert_close(
+            codec.dequantize(got.payload(d), (128, 256)).cpu(), ref, rtol=0, atol=0, equal_nan=True
+        )
+        rv, rf = codec.dequantize(want.payload(d), (128, 256), factored=True)
+        gv, gf = codec.dequantize(got.payload(d), (128, 256), torch.bfloat16, factored=True)
         assert torch.equal(gv.cpu(), rv.to(torch.bfloat16)) and torch.equal(bits(gf.cpu()), bits(rf))

@@ -14,21 +14,59 @@ import torch
 import dtq
 
 try:
-    from _quantizers import (PLAIN, QUANTIZERS, SEED, assert_payload_equal, assert_qt_equal, bits, by_id,
-                             element_scale, params, payload_rows, quantize, randn, ref_dequantize, replace,
-                             rows_per_payload_row, shape2d, sub, unpack_e2m1, uses_rht, uses_sr)
+    from _quantizers import (
+        PLAIN,
+        QUANTIZERS,
+        SEED,
+        assert_payload_equal,
+        assert_qt_equal,
+        bits,
+        by_id,
+        element_scale,
+        params,
+        payload_rows,
+        quantize,
+        randn,
+        ref_dequantize,
+        replace,
+        rows_per_payload_row,
+        shape2d,
+        sub,
+        unpack_e2m1,
+        uses_rht,
+        uses_sr,
+    )
 except ImportError:  # tests/ imported as a package
-    from tests._quantizers import (PLAIN, QUANTIZERS, SEED, assert_payload_equal, assert_qt_equal, bits, by_id,
-                                   element_scale, params, payload_rows, quantize, randn, ref_dequantize,
-                                   replace, rows_per_payload_row, shape2d, sub, unpack_e2m1, uses_rht,
-                                   uses_sr)
+    from tests._quantizers import (
+        PLAIN,
+        QUANTIZERS,
+        SEED,
+        assert_payload_equal,
+        assert_qt_equal,
+        bits,
+        by_id,
+        element_scale,
+        params,
+        payload_rows,
+        quantize,
+        randn,
+        ref_dequantize,
+        replace,
+        rows_per_payload_row,
+        shape2d,
+        sub,
+        unpack_e2m1,
+        uses_rht,
+        uses_sr,
+    )
 
 SHAPES = [pytest.param((256, 384), id="256x384"), pytest.param((4, 64, 256), id="4x64x256")]
 
 
 def _two_d_block(s) -> bool:
     return (isinstance(s, dtq.Float8BlockQuantizer) and s.block == (128, 128)) or (
-        isinstance(s, dtq.NVFP4Quantizer) and s.block == (16, 16))
+        isinstance(s, dtq.NVFP4Quantizer) and s.block == (16, 16)
+    )
 
 
 def _nvfp4(s) -> bool:
@@ -145,8 +183,13 @@ def test_random_hadamard_columnwise():
 # offset; the contract only promises seeded reproducibility.
 
 
-@pytest.mark.parametrize("shape,rows", [pytest.param((384, 256), (128, 256), id="384x256[128:256]"),
-                                        pytest.param((4, 64, 256), (2, 4), id="4x64x256[2:4]")])
+@pytest.mark.parametrize(
+    "shape,rows",
+    [
+        pytest.param((384, 256), (128, 256), id="384x256[128:256]"),
+        pytest.param((4, 64, 256), (2, 4), id="4x64x256[2:4]"),
+    ],
+)
 @pytest.mark.parametrize("q", params([p for p in QUANTIZERS if not uses_sr(p[1])]))
 def test_shard_is_slice_of_whole(q, shape, rows):
     full = randn(*shape, seed=21)
@@ -272,8 +315,10 @@ def test_dequantization_error_bounds(q, shape, kind):
         eb = _elementwise_bound(q, d, t.payload(d), x2)
         if eb is not None:
             over = (dq2 - x2).abs() > eb
-            assert not over.any(), (f"{d}: {int(over.sum())} elements exceed the elementwise bound, e.g. "
-                                    f"x={x2[over][:3].tolist()} dq={dq2[over][:3].tolist()}")
+            assert not over.any(), (
+                f"{d}: {int(over.sum())} elements exceed the elementwise bound, e.g. "
+                f"x={x2[over][:3].tolist()} dq={dq2[over][:3].tolist()}"
+            )
         if isinstance(s, dtq.IdentityQuantizer) and s.dtype is None:
             assert torch.equal(dq, x)
         if kind == "gaussian":
@@ -385,23 +430,32 @@ def test_hybrid_rejects_non_quantizer():
         dtq.HybridQuantizer(rowwise=torch.float8_e4m3fn, columnwise=dtq.MXFP8Quantizer())
 
 
-@pytest.mark.parametrize("make,words", [
-    pytest.param(lambda: dtq.Float8Quantizer(torch.float16), ["Float8Quantizer", "float16"], id="fp8-fp16"),
-    pytest.param(lambda: dtq.Float8Quantizer(torch.int8), ["Float8Quantizer", "int8"], id="fp8-int8"),
-    pytest.param(lambda: dtq.Float8BlockQuantizer((1, 64)), ["Float8BlockQuantizer", "(1, 64)"], id="blk-1x64"),
-    pytest.param(lambda: dtq.Float8BlockQuantizer((128, 1)), ["Float8BlockQuantizer", "(128, 1)"], id="blk-128x1"),
-    pytest.param(lambda: dtq.Float8BlockQuantizer(dtype=torch.bfloat16), ["Float8BlockQuantizer", "bfloat16"],
-                 id="blk-bf16"),
-    pytest.param(lambda: dtq.MXFP8Quantizer(torch.float32), ["MXFP8Quantizer", "float32"], id="mx-fp32"),
-    pytest.param(lambda: dtq.MXFP8Quantizer(scale_rounding="nearest"), ["MXFP8Quantizer", "nearest"],
-                 id="mx-rounding"),
-    pytest.param(lambda: dtq.NVFP4Quantizer((1, 32)), ["NVFP4Quantizer", "(1, 32)"], id="nv-1x32"),
-    pytest.param(lambda: dtq.NVFP4Quantizer((16, 16), random_hadamard=True),
-                 ["NVFP4Quantizer", "random_hadamard", "(16, 16)"], id="nv-rht-16x16"),
-    pytest.param(lambda: dtq.IdentityQuantizer(torch.int32), ["IdentityQuantizer", "int32"], id="id-int32"),
-    pytest.param(lambda: dtq.IdentityQuantizer(torch.float8_e4m3fn), ["IdentityQuantizer", "Float8Quantizer"],
-                 id="id-fp8"),
-])
+@pytest.mark.parametrize(
+    "make,words",
+    [
+        pytest.param(lambda: dtq.Float8Quantizer(torch.float16), ["Float8Quantizer", "float16"], id="fp8-fp16"),
+        pytest.param(lambda: dtq.Float8Quantizer(torch.int8), ["Float8Quantizer", "int8"], id="fp8-int8"),
+        pytest.param(lambda: dtq.Float8BlockQuantizer((1, 64)), ["Float8BlockQuantizer", "(1, 64)"], id="blk-1x64"),
+        pytest.param(lambda: dtq.Float8BlockQuantizer((128, 1)), ["Float8BlockQuantizer", "(128, 1)"], id="blk-128x1"),
+        pytest.param(
+            lambda: dtq.Float8BlockQuantizer(dtype=torch.bfloat16), ["Float8BlockQuantizer", "bfloat16"], id="blk-bf16"
+        ),
+        pytest.param(lambda: dtq.MXFP8Quantizer(torch.float32), ["MXFP8Quantizer", "float32"], id="mx-fp32"),
+        pytest.param(
+            lambda: dtq.MXFP8Quantizer(scale_rounding="nearest"), ["MXFP8Quantizer", "nearest"], id="mx-rounding"
+        ),
+        pytest.param(lambda: dtq.NVFP4Quantizer((1, 32)), ["NVFP4Quantizer", "(1, 32)"], id="nv-1x32"),
+        pytest.param(
+            lambda: dtq.NVFP4Quantizer((16, 16), random_hadamard=True),
+            ["NVFP4Quantizer", "random_hadamard", "(16, 16)"],
+            id="nv-rht-16x16",
+        ),
+        pytest.param(lambda: dtq.IdentityQuantizer(torch.int32), ["IdentityQuantizer", "int32"], id="id-int32"),
+        pytest.param(
+            lambda: dtq.IdentityQuantizer(torch.float8_e4m3fn), ["IdentityQuantizer", "Float8Quantizer"], id="id-fp8"
+        ),
+    ],
+)
 def test_constructor_rejects_bad_settings(make, words):
     with pytest.raises(ValueError) as e:
         make()
@@ -427,15 +481,25 @@ def test_quantizers_are_immutable_value_configs(q):
 # =================================================================================================
 
 
-@pytest.mark.parametrize("q,shape,direction,requirement,other", [
-    pytest.param(dtq.NVFP4Quantizer(), (32, 24), "rowwise", "multiple of 16", None, id="nvfp4-K24"),
-    pytest.param(dtq.NVFP4Quantizer(), (24, 64), "columnwise", "multiple of 16", "rowwise", id="nvfp4-col-M24"),
-    pytest.param(dtq.NVFP4Quantizer((16, 16)), (24, 64), "rowwise", "multiple of 16", None, id="nvfp4-16x16-M24"),
-    pytest.param(dtq.MXFP8Quantizer(), (64, 48), "rowwise", "multiple of the MX block size 32", "columnwise",
-                 id="mxfp8-K48"),
-    pytest.param(dtq.MXFP8Quantizer(), (40, 64), "columnwise", "multiple of the MX block size 32", "rowwise",
-                 id="mxfp8-col-M40"),
-])
+@pytest.mark.parametrize(
+    "q,shape,direction,requirement,other",
+    [
+        pytest.param(dtq.NVFP4Quantizer(), (32, 24), "rowwise", "multiple of 16", None, id="nvfp4-K24"),
+        pytest.param(dtq.NVFP4Quantizer(), (24, 64), "columnwise", "multiple of 16", "rowwise", id="nvfp4-col-M24"),
+        pytest.param(dtq.NVFP4Quantizer((16, 16)), (24, 64), "rowwise", "multiple of 16", None, id="nvfp4-16x16-M24"),
+        pytest.param(
+            dtq.MXFP8Quantizer(), (64, 48), "rowwise", "multiple of the MX block size 32", "columnwise", id="mxfp8-K48"
+        ),
+        pytest.param(
+            dtq.MXFP8Quantizer(),
+            (40, 64),
+            "columnwise",
+            "multiple of the MX block size 32",
+            "rowwise",
+            id="mxfp8-col-M40",
+        ),
+    ],
+)
 def test_unsupported_shape_raises(q, shape, direction, requirement, other):
     x = randn(*shape, seed=51)
     with pytest.raises(ValueError) as e:
@@ -476,8 +540,10 @@ def test_float8_block_accepts_partial_blocks(block, shape):
     t = q.quantize(x)
     m, k = shape2d(shape)
     nb = lambda n, b: -(-n // b)  # noqa: E731
-    expect = {"rowwise": (nb(m, block[0]), nb(k, block[1])),
-              "columnwise": (nb(m, block[1]), nb(k, block[0])) if block[0] == 1 else (nb(m, 128), nb(k, 128))}
+    expect = {
+        "rowwise": (nb(m, block[0]), nb(k, block[1])),
+        "columnwise": (nb(m, block[1]), nb(k, block[0])) if block[0] == 1 else (nb(m, 128), nb(k, 128)),
+    }
     for d in dtq.DIRECTIONS:
         assert tuple(t.payload(d)["scale_inv"].shape) == expect[d]
         assert tuple(t.payload(d)["data"].shape) == (m, k)

@@ -52,8 +52,17 @@ def _lightning_module(convert_in_configure_model: bool):
 def _trainer(strategy, plugin, devices=1):
     import lightning.pytorch as pl
 
-    return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, plugins=[plugin], max_steps=3,
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        plugins=[plugin],
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
 
 
 def _loader():
@@ -67,8 +76,9 @@ def _check_lightning(rank, world):
     from dtq.integrations.lightning import DtqPrecision
 
     module = _lightning_module(convert_in_configure_model=True)
-    trainer = _trainer(ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1), DtqPrecision("fp8"),
-                       devices=world)
+    trainer = _trainer(
+        ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1), DtqPrecision("fp8"), devices=world
+    )
     dtq.parallel.comm_stats(reset=True)
     trainer.fit(module, _loader())
     assert isinstance(module.net[0], dtq.nn.Linear) and hasattr(module.net[0].weight, "device_mesh")
@@ -98,5 +108,3 @@ def test_lightning_plugin_single_device_and_master_weight_check():
     module = _lightning_module(convert_in_configure_model=False)
     with pytest.raises(ValueError, match=r"net\.0\.weight \(and 1 more\) are quantized parameters, stepped by AdamW"):
         _trainer("auto", plugin).fit(module, _loader())
-
-

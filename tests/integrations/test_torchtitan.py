@@ -82,11 +82,13 @@ def _titan_model_config():
             return self.output(x)
 
     def linear(i, o):
-        return TitanLinear.Config(in_features=i, out_features=o,
-                                  param_init={"weight": lambda p: torch.nn.init.trunc_normal_(p, std=0.05)})
+        return TitanLinear.Config(
+            in_features=i, out_features=o, param_init={"weight": lambda p: torch.nn.init.trunc_normal_(p, std=0.05)}
+        )
 
-    return Tiny.Config(layers=[Block.Config(w1=linear(H, 2 * H), w2=linear(2 * H, H)) for _ in range(2)],
-                       output=linear(H, 100))
+    return Tiny.Config(
+        layers=[Block.Config(w1=linear(H, 2 * H), w2=linear(2 * H, H)) for _ in range(2)], output=linear(H, 100)
+    )
 
 
 def _train_titan(rank, world, recipe):
@@ -101,8 +103,13 @@ def _train_titan(rank, world, recipe):
         model = config.build()
     model.verify_module_protocol()
     kinds = {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    assert kinds == {"layers.0.w1": "DtqLinear", "layers.0.w2": "DtqLinear", "layers.1.w1": "DtqLinear",
-                     "layers.1.w2": "TitanLinear", "output": "DtqLinear"}, kinds  # per-tensor FP8 takes [100, 64]
+    assert kinds == {
+        "layers.0.w1": "DtqLinear",
+        "layers.0.w2": "DtqLinear",
+        "layers.1.w1": "DtqLinear",
+        "layers.1.w2": "TitanLinear",
+        "output": "DtqLinear",
+    }, kinds  # per-tensor FP8 takes [100, 64]
     mesh = init_device_mesh("cpu", (world,))
     for block in model.layers:
         fully_shard(block, mesh=mesh)
@@ -160,8 +167,9 @@ def test_torchtitan_sharding_of_a_dtq_layer_is_refused():
 
     from dtq.integrations.torchtitan import DtqLinear
 
-    layer = DtqLinear.Config(in_features=H, out_features=H, name="layers.0.wq",
-                             sharding_config=ShardingConfig(state_shardings={})).build()
+    layer = DtqLinear.Config(
+        in_features=H, out_features=H, name="layers.0.wq", sharding_config=ShardingConfig(state_shardings={})
+    ).build()
     dims = dict(dp_replicate=1, dp_shard=1, cp=1, pp=1, ep=1)
     with pytest.raises(NotImplementedError, match=r"layers\.0\.wq would be sharded .*spmd_backend='spmd_types'"):
         layer.parallelize(ParallelDims(tp=1, world_size=1, spmd_backend="spmd_types", **dims))
@@ -181,5 +189,3 @@ def test_torchtitan_converter_reports_and_strict(caplog):
     assert "kept output: MXFP8BlockScaling cannot quantize its weight [100, 64]" in caplog.text
     with pytest.raises(ValueError, match=r"DtqConverter\(strict=True\).*\n  output: MXFP8BlockScaling"):
         DtqConverter.Config(recipe="mxfp8", strict=True).build().convert(_titan_model_config())
-
-

@@ -19,9 +19,10 @@ import torch.utils.cpp_extension as cpp
 from dtq import kernels
 
 NVCC = shutil.which("nvcc")
-pytestmark = pytest.mark.skipif(NVCC is None or torch.version.cuda is not None,
-                                reason="needs nvcc and a CPU build of torch (with CUDA torch the GPU tests build "
-                                       "the kernels for real)")
+pytestmark = pytest.mark.skipif(
+    NVCC is None or torch.version.cuda is not None,
+    reason="needs nvcc and a CPU build of torch (with CUDA torch the GPU tests build the kernels for real)",
+)
 
 
 def _includes(tmp_path) -> list[str]:
@@ -45,14 +46,39 @@ def test_every_source_compiles(tmp_path):
         path = str(kernels.CSRC / src)
         out = str(tmp_path / (src + ".o"))
         if src.endswith(".cu"):
-            jobs.append([NVCC, "-c", "-o", out, *inc, *cpp.COMMON_NVCC_FLAGS, *kernels.CUDA_FLAGS,
-                         "--fdevice-syntax-only", "-w", path])
+            jobs.append(
+                [
+                    NVCC,
+                    "-c",
+                    "-o",
+                    out,
+                    *inc,
+                    *cpp.COMMON_NVCC_FLAGS,
+                    *kernels.CUDA_FLAGS,
+                    "--fdevice-syntax-only",
+                    "-w",
+                    path,
+                ]
+            )
         else:
             cxx = shutil.which("c++") or shutil.which("g++")
             if cxx is None:  # the bindings need a host compiler; the .cu files are the point here
                 continue
-            jobs.append([cxx, "-c", "-o", out, *inc, "-std=c++17", "-O0", "-w", "-DTORCH_EXTENSION_NAME=dtq_kernels",
-                         "-fPIC", path])
+            jobs.append(
+                [
+                    cxx,
+                    "-c",
+                    "-o",
+                    out,
+                    *inc,
+                    "-std=c++17",
+                    "-O0",
+                    "-w",
+                    "-DTORCH_EXTENSION_NAME=dtq_kernels",
+                    "-fPIC",
+                    path,
+                ]
+            )
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(_compile, jobs))
     failed = [(src, errors) for src, rc, errors in results if rc != 0]

@@ -12,11 +12,16 @@ import dtq
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 QUANTIZERS = [
-    dtq.Float8Quantizer(), dtq.Float8Quantizer(torch.float8_e5m2, pow2_scales=True),
-    dtq.Float8RowwiseQuantizer(), dtq.Float8RowwiseQuantizer(torch.float8_e5m2, pow2_scales=True),
-    dtq.Float8BlockQuantizer(), dtq.Float8BlockQuantizer((128, 128)),
-    dtq.MXFP8Quantizer(), dtq.MXFP8Quantizer(torch.float8_e5m2, scale_rounding="floor"),
-    dtq.NVFP4Quantizer(), dtq.NVFP4Quantizer((16, 16)),
+    dtq.Float8Quantizer(),
+    dtq.Float8Quantizer(torch.float8_e5m2, pow2_scales=True),
+    dtq.Float8RowwiseQuantizer(),
+    dtq.Float8RowwiseQuantizer(torch.float8_e5m2, pow2_scales=True),
+    dtq.Float8BlockQuantizer(),
+    dtq.Float8BlockQuantizer((128, 128)),
+    dtq.MXFP8Quantizer(),
+    dtq.MXFP8Quantizer(torch.float8_e5m2, scale_rounding="floor"),
+    dtq.NVFP4Quantizer(),
+    dtq.NVFP4Quantizer((16, 16)),
     dtq.NVFP4Quantizer(stochastic_rounding=True, random_hadamard=True),
     dtq.IdentityQuantizer(torch.bfloat16),
     dtq.HybridQuantizer(rowwise=dtq.MXFP8Quantizer(), columnwise=dtq.NVFP4Quantizer()),

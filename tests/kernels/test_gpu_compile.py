@@ -13,9 +13,13 @@ import dtq
 from dtq import kernels
 from tests._recipe_matrix import RECIPES
 
-pytestmark = [pytest.mark.skipif(not (torch.cuda.is_available() and kernels.available("cuda")),
-                                 reason="needs a CUDA GPU with dtq's kernels (sm_90+)"),
-              pytest.mark.usefixtures("fresh_dynamo")]  # tests/conftest.py
+pytestmark = [
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and kernels.available("cuda")),
+        reason="needs a CUDA GPU with dtq's kernels (sm_90+)",
+    ),
+    pytest.mark.usefixtures("fresh_dynamo"),
+]  # tests/conftest.py
 
 H = 256
 ALL = {**RECIPES, "fp8_high_precision_bwd": lambda: dtq.Float8CurrentScaling(backward_override="high_precision")}

@@ -13,7 +13,6 @@ import torch
 
 import dtq
 from dtq import kernels
-from dtq.formats.base import codec_for
 
 SEED = 1234
 
@@ -39,8 +38,9 @@ PLAIN = {
 }
 H = dtq.HybridQuantizer
 HYBRID = {
-    "mxfp8/nvfp4_rht_sr": H(rowwise=dtq.MXFP8Quantizer(),
-                            columnwise=dtq.NVFP4Quantizer(stochastic_rounding=True, random_hadamard=True)),
+    "mxfp8/nvfp4_rht_sr": H(
+        rowwise=dtq.MXFP8Quantizer(), columnwise=dtq.NVFP4Quantizer(stochastic_rounding=True, random_hadamard=True)
+    ),
     "fp8b_1x128/fp8b_128x128": H(rowwise=dtq.Float8BlockQuantizer(), columnwise=dtq.Float8BlockQuantizer((128, 128))),
     "mxfp8/nvfp4_16x16": H(rowwise=dtq.MXFP8Quantizer(), columnwise=dtq.NVFP4Quantizer((16, 16))),
     "fp8/mxfp8": H(rowwise=dtq.Float8Quantizer(), columnwise=dtq.MXFP8Quantizer()),
@@ -48,12 +48,14 @@ HYBRID = {
     "identity/nvfp4_sr": H(rowwise=dtq.IdentityQuantizer(), columnwise=dtq.NVFP4Quantizer(stochastic_rounding=True)),
     "nvfp4/identity_bf16": H(rowwise=dtq.NVFP4Quantizer(), columnwise=dtq.IdentityQuantizer(torch.bfloat16)),
     "fp8b_128x128/identity": H(rowwise=dtq.Float8BlockQuantizer((128, 128)), columnwise=dtq.IdentityQuantizer()),
-    "nvfp4_sr/mxfp8_floor": H(rowwise=dtq.NVFP4Quantizer(stochastic_rounding=True),
-                              columnwise=dtq.MXFP8Quantizer(scale_rounding="floor")),
+    "nvfp4_sr/mxfp8_floor": H(
+        rowwise=dtq.NVFP4Quantizer(stochastic_rounding=True), columnwise=dtq.MXFP8Quantizer(scale_rounding="floor")
+    ),
     "mxfp8/fp8b_1x128": H(rowwise=dtq.MXFP8Quantizer(), columnwise=dtq.Float8BlockQuantizer()),
     "fp8_row/mxfp8": H(rowwise=dtq.Float8RowwiseQuantizer(), columnwise=dtq.MXFP8Quantizer()),
-    "nvfp4_16x16/fp8_row_e5m2": H(rowwise=dtq.NVFP4Quantizer((16, 16)),
-                                  columnwise=dtq.Float8RowwiseQuantizer(torch.float8_e5m2)),
+    "nvfp4_16x16/fp8_row_e5m2": H(
+        rowwise=dtq.NVFP4Quantizer((16, 16)), columnwise=dtq.Float8RowwiseQuantizer(torch.float8_e5m2)
+    ),
     # weights and inputs of dtq.recipes' factories (the options' hybrids: tests/test_nvfp4_options.py)
     "mxfp8/nvfp4": H(rowwise=dtq.MXFP8Quantizer(), columnwise=dtq.NVFP4Quantizer()),
     "mxfp8/identity": H(rowwise=dtq.MXFP8Quantizer(), columnwise=dtq.IdentityQuantizer()),
@@ -76,9 +78,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _valid(q, shape, dirs) -> bool:
     for d, on in zip(dtq.DIRECTIONS, dirs):
         if on:
-            sub = q.for_direction(d)
             try:
-                codec_for(sub).check_shape(sub, shape, d)
+                q.codec(d).check_shape(shape)
             except ValueError:
                 return False
     return True
@@ -100,11 +101,12 @@ def _inputs(shape, dtype, gen):
     # Finite: exact midpoints. Global amax 2688 gives S_enc = 1, a block amax of 6 gives s_b = 1,
     # so NVFP4 sees the E2M1 midpoints themselves; 448 * 2**-k rows hit FP8 RNE ties.
     f = torch.randn(m, k, generator=gen) * 1e-3
-    mids = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -2.5, 1.0625, 1.1875, 2688.0, -448.0,
-                         1e-39, -3e-41])
+    mids = torch.tensor(
+        [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -2.5, 1.0625, 1.1875, 2688.0, -448.0, 1e-39, -3e-41]
+    )
     fl = f.view(-1)
     reps = (fl.numel() + mids.numel() - 1) // mids.numel()
-    fl.copy_(torch.where(torch.rand(fl.numel(), generator=gen) < 0.5, mids.repeat(reps)[:fl.numel()], fl))
+    fl.copy_(torch.where(torch.rand(fl.numel(), generator=gen) < 0.5, mids.repeat(reps)[: fl.numel()], fl))
     out["midpoints"] = f
     out["zeros"] = torch.zeros(m, k)
     return {name: t.to(dtype) for name, t in out.items()}
@@ -182,13 +184,14 @@ def test_quantize_bits_match_reference(name, spy):
 
 
 @needs_cuda
-@pytest.mark.parametrize("name", ["fp8", "nvfp4", "nvfp4_rht", "fp8/mxfp8", "mxfp8/nvfp4_rht_sr", "fp8_row",
-                                  "nvfp4_16x16/fp8_row_e5m2"])
+@pytest.mark.parametrize(
+    "name", ["fp8", "nvfp4", "nvfp4_rht", "fp8/mxfp8", "mxfp8/nvfp4_rht_sr", "fp8_row", "nvfp4_16x16/fp8_row_e5m2"]
+)
 def test_given_amax_and_seed_tensor(name):
     q = ALL[name]
     x = torch.randn(128, 256) * 3
-    subs = {d: q.for_direction(d) for d in dtq.DIRECTIONS}
-    shapes = {d: codec_for(s).amax_shape(s, d, tuple(x.shape)) for d, s in subs.items() if codec_for(s).needs_amax(s, d)}
+    codecs = {d: q.codec(d) for d in dtq.DIRECTIONS}
+    shapes = {d: c.amax_shape(tuple(x.shape)) for d, c in codecs.items() if c.needs_amax()}
     amax = {d: torch.full(shape, 50.0) for d, shape in shapes.items()}
     if "fp8_row" in name:  # per-column amaxes: some columns given below, some above their true amax
         amax = {d: torch.rand(shape, generator=torch.Generator().manual_seed(3)) * 20 for d, shape in shapes.items()}
@@ -210,21 +213,21 @@ def test_dequantize_matches_reference(name, shape):
     cpu = q.quantize(x, seed=SEED)
     gpu = cpu.cuda()
     for d in cpu.directions:
-        sub = q.for_direction(d)
-        codec = codec_for(sub)
-        if codec.kernel_spec(sub, d, shape, torch.float32) is None or codec.name == "identity":
+        codec = q.codec(d)
+        if codec.kernel_spec(shape, torch.float32) is None or codec.name == "identity":
             continue
-        assert codec.kernel_dequantize(sub, gpu.payload(d), d, shape) is not None, (name, d)
-        ref = codec.dequantize(sub, cpu.payload(d), d, shape)
-        got = codec.dequantize(sub, gpu.payload(d), d, shape)
+        assert codec.dequantize(gpu.payload(d), shape, kernel_only=True) is not None, (name, d)
+        ref = codec.dequantize(cpu.payload(d), shape)
+        got = codec.dequantize(gpu.payload(d), shape)
         torch.testing.assert_close(got.cpu(), ref, rtol=0, atol=0, equal_nan=True, msg=f"{name} {d}")
-        rv, rf = codec.dequantize_factored(sub, cpu.payload(d), d, shape)
-        gv, gf = codec.dequantize_factored(sub, gpu.payload(d), d, shape)
+        rv, rf = codec.dequantize(cpu.payload(d), shape, factored=True)
+        gv, gf = codec.dequantize(gpu.payload(d), shape, factored=True)
         torch.testing.assert_close(gv.cpu(), rv, rtol=0, atol=0, equal_nan=True, msg=f"{name} {d} factored")
         # bf16 output: the RNE rounding of the fp32 values
-        g16 = codec.kernel_dequantize(sub, gpu.payload(d), d, shape, dtype=torch.bfloat16)
-        torch.testing.assert_close(g16.cpu(), ref.to(torch.bfloat16), rtol=0, atol=0, equal_nan=True,
-                                   msg=f"{name} {d} bf16")
+        g16 = codec.dequantize(gpu.payload(d), shape, torch.bfloat16, kernel_only=True)
+        torch.testing.assert_close(
+            g16.cpu(), ref.to(torch.bfloat16), rtol=0, atol=0, equal_nan=True, msg=f"{name} {d} bf16"
+        )
 
 
 @needs_cuda
@@ -261,11 +264,11 @@ def test_fp8_row_dequantize_odd_shapes(shape):
         cpu = q.quantize(x)
         gpu = cpu.cuda()
         for d in cpu.directions:
-            sub, codec = q.for_direction(d), codec_for(q.for_direction(d))
-            assert codec.kernel_dequantize(sub, gpu.payload(d), d, shape) is not None
-            ref = codec.dequantize(sub, cpu.payload(d), d, shape)
-            assert torch.equal(codec.dequantize(sub, gpu.payload(d), d, shape).cpu(), ref), (q, d)
-            got16, _ = codec.dequantize_factored(sub, gpu.payload(d), d, shape, torch.bfloat16)
+            codec = q.codec(d)
+            assert codec.dequantize(gpu.payload(d), shape, kernel_only=True) is not None
+            ref = codec.dequantize(cpu.payload(d), shape)
+            assert torch.equal(codec.dequantize(gpu.payload(d), shape).cpu(), ref), (q, d)
+            got16, _ = codec.dequantize(gpu.payload(d), shape, torch.bfloat16, factored=True)
             assert torch.equal(got16.cpu(), ref.to(torch.bfloat16)), (q, d)
 
 
@@ -294,16 +297,26 @@ def test_kernel_specs_describe_reference_payloads():
     for name, q in PLAIN.items():
         t = q.quantize(x, seed=SEED)
         for d in t.directions:
-            sub = q.for_direction(d)
-            spec = codec_for(sub).kernel_spec(sub, d, (64, 128), x.dtype)
+            spec = q.codec(d).kernel_spec((64, 128), x.dtype)
             assert spec is not None, name
-            assert [(n, tuple(s), dt) for n, s, dt in spec.fields] == \
-                [(k, tuple(v.shape), v.dtype) for k, v in t.payload(d).items()], (name, d)
+            assert [(n, tuple(s), dt) for n, s, dt in spec.fields] == [
+                (k, tuple(v.shape), v.dtype) for k, v in t.payload(d).items()
+            ], (name, d)
 
 
 @needs_cuda
-@pytest.mark.parametrize("name", ["fp8", "fp8b_1x128/fp8b_128x128", "mxfp8/nvfp4_rht_sr", "nvfp4/identity_bf16",
-                                  "identity_fp32", "mxfp8/nvfp4_16x16", "fp8_row_e5m2_pow2"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "fp8",
+        "fp8b_1x128/fp8b_128x128",
+        "mxfp8/nvfp4_rht_sr",
+        "nvfp4/identity_bf16",
+        "identity_fp32",
+        "mxfp8/nvfp4_16x16",
+        "fp8_row_e5m2_pow2",
+    ],
+)
 def test_generic_kernel_bits_match_reference(name, monkeypatch):
     """The generic fused kernel (the fall-back for slot pairs without a specialised kernel, and for
     unaligned inputs) on aligned shapes, which otherwise take the specialised kernels."""
@@ -317,12 +330,17 @@ def test_generic_kernel_bits_match_reference(name, monkeypatch):
                     if not _valid(q, shape, dirs):
                         continue
                     kw = dict(rowwise=dirs[0], columnwise=dirs[1], seed=SEED)
-                    _compare(q.quantize(x.cuda(), **kw), q.quantize(x, **kw), f"generic {name} {shape} {dtype} {iname} {dirs}")
+                    _compare(
+                        q.quantize(x.cuda(), **kw),
+                        q.quantize(x, **kw),
+                        f"generic {name} {shape} {dtype} {iname} {dirs}",
+                    )
 
 
 @needs_cuda
-@pytest.mark.parametrize("name", ["fp8b_1x128", "mxfp8", "nvfp4_rht_sr", "fp8b_1x128/fp8b_128x128", "mxfp8/nvfp4_16x16",
-                                  "fp8_row"])
+@pytest.mark.parametrize(
+    "name", ["fp8b_1x128", "mxfp8", "nvfp4_rht_sr", "fp8b_1x128/fp8b_128x128", "mxfp8/nvfp4_16x16", "fp8_row"]
+)
 def test_specialised_kernels_partial_tiles(name):
     """Specialised kernels on shapes with partial 128 x 128 tiles in both dimensions and several tiles."""
     q = ALL[name]
@@ -351,5 +369,5 @@ def test_byte_transpose_matches_torch(shape, dtype):
 @needs_cuda
 def test_byte_transpose_falls_back_where_the_kernel_does_not_apply():
     base = torch.arange(0, 40 * 33, dtype=torch.int32, device="cuda").to(torch.uint8)
-    for x in (base.view(40, 33), base[1:1 + 32 * 32].view(32, 32), base[:32 * 40].view(32, 40).float()):
+    for x in (base.view(40, 33), base[1 : 1 + 32 * 32].view(32, 32), base[: 32 * 40].view(32, 40).float()):
         assert torch.equal(kernels.transposed(x), x.t().contiguous())

@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from dtq.testing import spawn
 from dtq.launch import checkpointing
 from dtq.launch import train as train_mod
+from dtq.testing import spawn
 from tests.launch.test_train import ROOT, TINY, _env, _records
 
 # One step of the README's tiny config on a little data: a real run in a few seconds.
@@ -66,8 +66,9 @@ def test_a_bad_override_under_torchrun_is_one_line_from_rank_0(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     lines = [line for line in out.splitlines() if "config:" in line]
-    assert lines == ["error: config: train.recompute = 'maybe': Input should be a valid boolean, unable to interpret "
-                     "input"], out[-3000:]
+    assert lines == [
+        "error: config: train.recompute = 'maybe': Input should be a valid boolean, unable to interpret input"
+    ], out[-3000:]
     assert "dtq/launch/" not in out and "ValidationError" not in out, out[-3000:]
 
 
@@ -150,10 +151,13 @@ def test_a_rank_failing_mid_save_leaves_the_last_complete_checkpoint_newest(tmp_
 
 def test_latest_ignores_temporary_dirs_and_a_start_tidies_them(tmp_path):
     root = tmp_path / "checkpoints"
-    for name, complete in [("step_00000001", True), ("step_00000002", False),  # DCP's .metadata missing
-                           ("step_00000009.tmp-0a1b2c3d", True),  # written, never committed
-                           ("step_00000004.old-0a1b2c3d", True),  # moved aside, its replacement not in place
-                           ("step_00000001.old-99ff", True)]:  # moved aside, replaced
+    for name, complete in [
+        ("step_00000001", True),
+        ("step_00000002", False),  # DCP's .metadata missing
+        ("step_00000009.tmp-0a1b2c3d", True),  # written, never committed
+        ("step_00000004.old-0a1b2c3d", True),  # moved aside, its replacement not in place
+        ("step_00000001.old-99ff", True),
+    ]:  # moved aside, replaced
         (root / name).mkdir(parents=True)
         if complete:
             (root / name / ".metadata").write_bytes(name.encode())
@@ -186,9 +190,26 @@ def test_keep_checkpoints_and_a_recipe_change_at_resume(tmp_path, monkeypatch, c
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(var, "0")  # the trainer sets these for its group: restored after the test
     monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # leaves this process's threads alone
-    args = ["--launcher", "single", "--config", str(ROOT / TINY[2]), "--set", "model.layers=1", "--set",
-            "model.seq_len=64", "--set", "data.max_bytes=300000", "--set", "train.eval_batches=1", "--set",
-            "train.checkpoint_every=1", "--set", "train.keep_checkpoints=1", "--out-dir", str(tmp_path)]
+    args = [
+        "--launcher",
+        "single",
+        "--config",
+        str(ROOT / TINY[2]),
+        "--set",
+        "model.layers=1",
+        "--set",
+        "model.seq_len=64",
+        "--set",
+        "data.max_bytes=300000",
+        "--set",
+        "train.eval_batches=1",
+        "--set",
+        "train.checkpoint_every=1",
+        "--set",
+        "train.keep_checkpoints=1",
+        "--out-dir",
+        str(tmp_path),
+    ]
     steps = lambda: sorted(checkpointing.step_of(p) for p in (tmp_path / "checkpoints").iterdir())  # noqa: E731
 
     train_mod.main([*args, "--steps", "2", "--recipe", "bf16"])
@@ -200,8 +221,9 @@ def test_keep_checkpoints_and_a_recipe_change_at_resume(tmp_path, monkeypatch, c
     out = capsys.readouterr()
     assert "resumed at step 2" in out.out and out.err.count("warning: --resume") == 1, out.err
     assert "train.recipe = 'bf16'" in out.err and "train.recipe = 'fp8'" in out.err
-    assert _records(tmp_path, "recipe_change") == [{"kind": "recipe_change", "step": 2,
-                                                    "changed": {"recipe": ["bf16", "fp8"]}}]
+    assert _records(tmp_path, "recipe_change") == [
+        {"kind": "recipe_change", "step": 2, "changed": {"recipe": ["bf16", "fp8"]}}
+    ]
     assert steps() == [3]
 
     with pytest.raises(SystemExit) as e:

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import dtq
-from dtq.testing import spawn
 from dtq.launch import (
     checkpointing,
     config,
@@ -24,6 +23,7 @@ from dtq.launch import (
 )
 from dtq.launch.model import Decoder, rotary
 from dtq.launch.recipes import RECIPES, build_recipe
+from dtq.testing import spawn
 
 TINY = "launch/configs/tiny.toml"
 
@@ -42,17 +42,20 @@ def test_unknown_recipe_lists_the_valid_ones():
     assert "module:function" in str(e.value)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("train.stepz=3", "unknown key train.stepz; valid keys of train: steps, batch_size"),
-    ("trian.steps=3", "unknown table trian; valid tables: model, data, train, parallel"),
-    ("model.hidden=250", "must be a multiple of model.heads"),
-    ("train.offload=gpu", "train.offload = 'gpu': Input should be 'none', 'save_on_cpu' or 'dtq'"),
-    ("model.kv_heads=2", "only used by kind = \"hf_llama\""),
-    ("train.steps=0", "train.steps = 0: Input should be greater than 0"),
-    ("parallel.replicate=0", "parallel.replicate = 0: Input should be greater than 0"),
-    ("train.keep_checkpoints=-1", "train.keep_checkpoints = -1: Input should be greater than or equal to 0"),
-    ("model.vocab=100", "model.vocab = 100: Input should be greater than or equal to 256"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.stepz=3", "unknown key train.stepz; valid keys of train: steps, batch_size"),
+        ("trian.steps=3", "unknown table trian; valid tables: model, data, train, parallel"),
+        ("model.hidden=250", "must be a multiple of model.heads"),
+        ("train.offload=gpu", "train.offload = 'gpu': Input should be 'none', 'save_on_cpu' or 'dtq'"),
+        ("model.kv_heads=2", 'only used by kind = "hf_llama"'),
+        ("train.steps=0", "train.steps = 0: Input should be greater than 0"),
+        ("parallel.replicate=0", "parallel.replicate = 0: Input should be greater than 0"),
+        ("train.keep_checkpoints=-1", "train.keep_checkpoints = -1: Input should be greater than or equal to 0"),
+        ("model.vocab=100", "model.vocab = 100: Input should be greater than or equal to 256"),
+    ],
+)
 def test_bad_configs_say_what_to_change(override, message):
     with pytest.raises(ValueError, match=message):
         config.load(None, [override])
@@ -174,8 +177,16 @@ def test_metrics_log_drops_records_after_the_resumed_step(tmp_path):
         log.write({"kind": "train", "step": step, "loss": 1.0 / step})
     metrics.MetricsLog(tmp_path / "m.jsonl", True, resume_step=2)
     assert [r["step"] for r in metrics.read(tmp_path / "m.jsonl")] == [1, 2]
-    line = metrics.progress_line({"step": 2, "loss": 3.14159, "lr": 1e-3, "tokens_per_s": 12345.6,
-                                  "gathered_bytes": {"mxfp8/rowwise": 1_350_000}}, 30)
+    line = metrics.progress_line(
+        {
+            "step": 2,
+            "loss": 3.14159,
+            "lr": 1e-3,
+            "tokens_per_s": 12345.6,
+            "gathered_bytes": {"mxfp8/rowwise": 1_350_000},
+        },
+        30,
+    )
     assert line == "step  2/30 | loss 3.1416 | lr 1.0e-03 | 12,346 tok/s | gathered 1.35 MB (mxfp8/rowwise 1.35 MB)"
 
 
@@ -191,8 +202,9 @@ def test_plot_loss_writes_one_png_for_several_runs(tmp_path):
     pytest.importorskip("matplotlib")
     _log(tmp_path / "bf16", [5.0, 4.0, 3.0])
     _log(tmp_path / "hybrid", [5.1, 4.1, 3.1])
-    out = plot_loss.main([str(tmp_path / "bf16"), str(tmp_path / "hybrid" / "metrics.jsonl"), "-o",
-                          str(tmp_path / "loss.png")])
+    out = plot_loss.main(
+        [str(tmp_path / "bf16"), str(tmp_path / "hybrid" / "metrics.jsonl"), "-o", str(tmp_path / "loss.png")]
+    )
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
@@ -215,13 +227,16 @@ def test_quantized_params_optimizer_groups_and_lr_after_resume():
     replaces the inner optimizer's param_groups list)."""
     cfg = config.load(TINY, ["train.quantized_params=true"])
     torch.manual_seed(0)
-    model = dtq.convert(Decoder(cfg.model), recipe=build_recipe("hybrid"), quantized_params=True,
-                        module_filter_fn=lambda m, fqn: False)
+    model = dtq.convert(
+        Decoder(cfg.model), recipe=build_recipe("hybrid"), quantized_params=True, module_filter_fn=lambda m, fqn: False
+    )
     opt = optim.build_optimizer(model, cfg.train)
     assert isinstance(opt, dtq.optim.MasterWeightOptimizer) and len(opt.masters) == 8  # qkv, proj, fc1, fc2 x 2 layers
     decay, no_decay = opt.inner.param_groups
     assert {id(p) for p in decay["params"]} == {id(m) for m in opt.masters}
-    assert no_decay["weight_decay"] == 0.0 and len(no_decay["params"]) == 6  # 2 norms x 2 layers, final norm, tied embedding
+    assert (
+        no_decay["weight_decay"] == 0.0 and len(no_decay["params"]) == 6
+    )  # 2 norms x 2 layers, final norm, tied embedding
     opt.load_state_dict(opt.state_dict())
     optim.set_lr(opt, 0.125)
     assert [g["lr"] for g in opt.inner.param_groups] == [0.125, 0.125]
@@ -254,11 +269,20 @@ def test_the_1b_config_fits_every_recipe_in_each_8_gpu_layout():
 
 
 def test_progress_line_shows_collectives_step_time_and_peak_memory():
-    rec = {"step": 20, "loss": 3.0, "lr": 1e-3, "tokens_per_s": 1234.0, "step_s": 0.095,
-           "gathered_bytes": {"fp8/rowwise": 2_000_000}, "collective_bytes": {"reduce_scattered": 4_000_000},
-           "peak_memory_bytes": 3 * 2 ** 30}
+    rec = {
+        "step": 20,
+        "loss": 3.0,
+        "lr": 1e-3,
+        "tokens_per_s": 1234.0,
+        "step_s": 0.095,
+        "gathered_bytes": {"fp8/rowwise": 2_000_000},
+        "collective_bytes": {"reduce_scattered": 4_000_000},
+        "peak_memory_bytes": 3 * 2**30,
+    }
     line = metrics.progress_line(rec, 40)
-    assert line.endswith("gathered 2.00 MB (fp8/rowwise 2.00 MB) | reduce-scattered 4.00 MB | 95 ms/step | peak 3.0 GiB")
+    assert line.endswith(
+        "gathered 2.00 MB (fp8/rowwise 2.00 MB) | reduce-scattered 4.00 MB | 95 ms/step | peak 3.0 GiB"
+    )
     assert "peak" not in metrics.progress_line({**rec, "peak_memory_bytes": None}, 40)  # CPU
 
 
@@ -302,16 +326,26 @@ def test_resume_on_more_ranks_takes_rank0_histories(tmp_path):
 def test_overrides_are_checked_against_the_field_types():
     from dtq.launch import config as config_mod
 
-    cfg = config_mod.load(None, ["train.recompute=False", "train.quantized_params=no", "train.compile=TRUE",
-                                 "train.lr=1", "train.out_dir=2024"])
+    cfg = config_mod.load(
+        None,
+        [
+            "train.recompute=False",
+            "train.quantized_params=no",
+            "train.compile=TRUE",
+            "train.lr=1",
+            "train.out_dir=2024",
+        ],
+    )
     assert cfg.train.recompute is False and cfg.train.quantized_params is False and cfg.train.compile is True
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float) and cfg.train.out_dir == "2024"
     for override, message in [
         ("train.steps=abc", "config: train.steps = 'abc': Input should be a valid integer"),
         ("train.steps=true", "config: train.steps = True: Input should be a valid integer"),
         ("train.steps=2.5", "config: train.steps = 2.5: Input should be a valid integer"),
-        ("train.recompute=maybe", "config: train.recompute = 'maybe': Input should be a valid boolean, unable to "
-                                  "interpret input"),
+        (
+            "train.recompute=maybe",
+            "config: train.recompute = 'maybe': Input should be a valid boolean, unable to interpret input",
+        ),
         ("train.lr=fast", "config: train.lr = 'fast': Input should be a valid number"),
     ]:
         with pytest.raises(config_mod.ConfigError) as e:

@@ -11,15 +11,29 @@ from dtq.launch import dist as ld
 
 
 def test_torchrun_variables_win():
-    env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "n0",
-           "MASTER_PORT": "1234", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}  # torchrun inside an allocation
+    env = {
+        "RANK": "3",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+        "MASTER_ADDR": "n0",
+        "MASTER_PORT": "1234",
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "2",
+    }  # torchrun inside an allocation
     assert ld.detect(env) == ld.DistEnv("torchrun", 3, 8, 1, 4, "n0", 1234)
 
 
 def test_slurm_ranks_and_master_from_nodelist(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol: the node list is parsed here
-    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "123456",
-           "SLURM_JOB_NODELIST": "gpu[07-08,12],cpu3", "SLURM_STEP_TASKS_PER_NODE": "4(x2)"}
+    env = {
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "8",
+        "SLURM_LOCALID": "1",
+        "SLURM_JOB_ID": "123456",
+        "SLURM_JOB_NODELIST": "gpu[07-08,12],cpu3",
+        "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+    }
     d = ld.detect(env)
     assert d == ld.DistEnv("slurm", 5, 8, 1, 4, "gpu07", 20000 + 123456 % 20000)
     # the step's own task count and node list take precedence over the job's
@@ -39,8 +53,10 @@ def test_slurm_master_via_scontrol(tmp_path, monkeypatch):
     assert ld.detect(env).master_addr == "node-a"
 
 
-@pytest.mark.parametrize("nodelist, first", [("n1", "n1"), ("n[1-3]", "n1"), ("n[003,007]-ib", "n003-ib"),
-                                             ("a1,b[2-3]", "a1"), ("rack[4-5]", "rack4")])
+@pytest.mark.parametrize(
+    "nodelist, first",
+    [("n1", "n1"), ("n[1-3]", "n1"), ("n[003,007]-ib", "n003-ib"), ("a1,b[2-3]", "a1"), ("rack[4-5]", "rack4")],
+)
 def test_first_host(nodelist, first):
     assert ld.first_host(nodelist) == first
 
@@ -51,8 +67,12 @@ def test_slurm_without_nodelist_or_master_is_an_error(monkeypatch):
 
 
 def test_mpi_variables():
-    env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-           "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    env = {
+        "OMPI_COMM_WORLD_RANK": "1",
+        "OMPI_COMM_WORLD_SIZE": "2",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    }
     # no MASTER_ADDR: the address is agreed on over MPI at init time
     assert ld.detect(env) == ld.DistEnv("mpi", 1, 2, 1, 2, None, None)
     assert ld.detect({**env, "MASTER_ADDR": "h"}).master_port == ld.DEFAULT_PORT

@@ -16,8 +16,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # 6 steps of the README's tiny config (2 layers, hidden 256, 256 tokens per rank, hybrid
 # MXFP8/NVFP4 recipe with stochastic rounding), a checkpoint every 3 steps, a loss record every step.
-TINY = ["launch/train.py", "--config", "launch/configs/tiny.toml", "--steps", "6", "--set", "train.log_every=1",
-        "--set", "train.checkpoint_every=3", "--set", "data.max_bytes=1000000"]
+TINY = [
+    "launch/train.py",
+    "--config",
+    "launch/configs/tiny.toml",
+    "--steps",
+    "6",
+    "--set",
+    "train.log_every=1",
+    "--set",
+    "train.checkpoint_every=3",
+    "--set",
+    "data.max_bytes=1000000",
+]
 
 
 def _env() -> dict:
@@ -67,8 +78,7 @@ def test_tiny_config_trains_on_two_ranks_under_torchrun(tiny_run):
         assert (out / "checkpoints" / f"step_{step:08d}" / ".metadata").exists()
 
 
-def _resume_from(full_dir: pathlib.Path, step: int, args: list[str], resumed_dir: pathlib.Path,
-                 nproc: int = 2) -> None:
+def _resume_from(full_dir: pathlib.Path, step: int, args: list[str], resumed_dir: pathlib.Path, nproc: int = 2) -> None:
     """Resume ``args`` from ``full_dir``'s step-``step`` checkpoint in ``resumed_dir`` and check that
     every later loss equals the uninterrupted run's: equal floats, no tolerance."""
     (resumed_dir / "checkpoints").mkdir(parents=True)
@@ -93,14 +103,24 @@ def test_resume_from_checkpoint_continues_bitwise(tiny_run, tmp_path):
 def test_resume_with_quantized_params_and_recompute_continues_bitwise(tmp_path):
     """The same with quantized parameters (payloads and FP32 masters in the checkpoint,
     MasterWeightOptimizer) and activation recompute: 4 steps, resumed at step 2."""
-    args = [*TINY, "--steps", "4", "--set", "train.checkpoint_every=2", "--set", "train.quantized_params=true",
-            "--set", "train.recompute=true"]
+    args = [
+        *TINY,
+        "--steps",
+        "4",
+        "--set",
+        "train.checkpoint_every=2",
+        "--set",
+        "train.quantized_params=true",
+        "--set",
+        "train.recompute=true",
+    ]
     _torchrun(*args, "--out-dir", str(tmp_path / "full"))
     _resume_from(tmp_path / "full", 2, args, tmp_path / "resumed")
 
 
-@pytest.mark.parametrize("layout", [[], ["--set", "parallel.tp=2", "--set", "parallel.sequence_parallel=true"]],
-                         ids=["fsdp", "tp_sp"])
+@pytest.mark.parametrize(
+    "layout", [[], ["--set", "parallel.tp=2", "--set", "parallel.sequence_parallel=true"]], ids=["fsdp", "tp_sp"]
+)
 def test_compiled_blocks_train_like_eager(tmp_path, layout):
     """``train.compile``: every block torch.compiled before FSDP2 (dtq's GEMMs are custom ops in the
     blocks' graphs; tensor-parallel ones run eagerly as graph breaks). Inductor's fused norms,
@@ -127,7 +147,7 @@ def test_delayed_scaling_histories_agree_across_ranks_and_resume_bitwise(tmp_pat
     _torchrun(*args, "--out-dir", str(tmp_path / "full"))
     ckpt = tmp_path / "full" / "checkpoints" / f"step_{2:08d}"
     meta = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    keys = [k[len("rank0.buffers."):] for k in meta if k.startswith("rank0.buffers.") and "amax_history_" in k]
+    keys = [k[len("rank0.buffers.") :] for k in meta if k.startswith("rank0.buffers.") and "amax_history_" in k]
     assert keys and all(f"rank1.buffers.{k}" in meta for k in keys)
     state = {f"rank{r}": {"buffers": {k: torch.zeros(meta[f"rank{r}.buffers.{k}"].size) for k in keys}} for r in (0, 1)}
     dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
@@ -142,14 +162,27 @@ def test_tensor_and_sequence_parallel_trains_and_resumes_bitwise(tmp_path):
     """TP = 2 with sequence parallelism (one data-parallel replica), quantized parameters and
     recompute: the loss falls, the sequence-parallel gathers move quantized payloads (the decoder's
     final gather before the LM head is high precision on purpose), and a resume is exact."""
-    args = [*TINY, "--set", "parallel.tp=2", "--set", "parallel.sequence_parallel=true",
-            "--set", "train.quantized_params=true", "--set", "train.recompute=true"]
+    args = [
+        *TINY,
+        "--set",
+        "parallel.tp=2",
+        "--set",
+        "parallel.sequence_parallel=true",
+        "--set",
+        "train.quantized_params=true",
+        "--set",
+        "train.recompute=true",
+    ]
     _torchrun(*args, "--out-dir", str(tmp_path / "full"))
     train = _records(tmp_path / "full")
     assert train[-1]["loss"] < train[0]["loss"] - 0.8  # measured: 5.54 -> 3.36
     for r in train:
-        assert set(r["gathered_bytes"]) == {"mxfp8/rowwise", "nvfp4/columnwise", "nvfp4/rowwise",
-                                            "float32/high_precision"}, r["gathered_bytes"]
+        assert set(r["gathered_bytes"]) == {
+            "mxfp8/rowwise",
+            "nvfp4/columnwise",
+            "nvfp4/rowwise",
+            "float32/high_precision",
+        }, r["gathered_bytes"]
     _resume_from(tmp_path / "full", 3, args, tmp_path / "resumed")
 
 
@@ -202,9 +235,23 @@ def test_mpirun_runs_the_tiny_config_like_torchrun(tiny_run, tmp_path):
 
 # The transformers path: LlamaForCausalLM (2 layers, hidden 128, FFN 256, 4 heads) from a random
 # LlamaConfig, converted with dtq.convert, FSDP2 over 2 ranks, BF16 parameters and activations.
-HF = ["launch/train.py", "--set", "model.kind=hf_llama", "--set", "model.hidden=128", "--set",
-      "model.ffn_hidden=256", "--set", "data.max_bytes=1000000", "--steps", "20", "--set", "train.log_every=5",
-      "--set", "train.dtype=bfloat16"]
+HF = [
+    "launch/train.py",
+    "--set",
+    "model.kind=hf_llama",
+    "--set",
+    "model.hidden=128",
+    "--set",
+    "model.ffn_hidden=256",
+    "--set",
+    "data.max_bytes=1000000",
+    "--steps",
+    "20",
+    "--set",
+    "train.log_every=5",
+    "--set",
+    "train.dtype=bfloat16",
+]
 
 
 def test_transformers_llama_hybrid_matches_bf16(tmp_path):

@@ -81,11 +81,13 @@ def test_compiled_model_gives_the_eager_bits(recipe, module):
     variants = [False, True] if MODULES[module] is None else [False]
     torch._dynamo.utils.counters.clear()
     for quantized_params in variants:
+
         def make(quantized_params=quantized_params):
             if MODULES[module] is None:
                 return _mlp(quantized_params, r)
             torch.manual_seed(0)
             return MODULES[module]()
+
         eager_model, compiled_model = make(), make()
         compiled = torch.compile(compiled_model, backend="aot_eager")
         for _ in range(2):

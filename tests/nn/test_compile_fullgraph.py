@@ -225,21 +225,31 @@ def _fsdp_matrix(rank, world, recipe_names):
                     losses[compiled] = []
                     for step in range(2):  # the second step runs on updated weights (new scales)
                         torch.manual_seed(40 + step)
-                        with dtq.autocast(r, enabled=r is not None,
-                                          amax_group=dist.group.WORLD if r is not None and r.delayed else None):
+                        with dtq.autocast(
+                            r,
+                            enabled=r is not None,
+                            amax_group=dist.group.WORLD if r is not None and r.delayed else None,
+                        ):
                             y = model(x)
                         loss = y.float().square().mean()
                         loss.backward()
                         opt.step()
                         opt.zero_grad()
                         losses[compiled].append(loss.detach())
-                assert all(torch.equal(a, b) for a, b in zip(losses[True], losses[False])), \
-                    (recipe_name, quantized_params, reshard, losses)
+                assert all(torch.equal(a, b) for a, b in zip(losses[True], losses[False])), (
+                    recipe_name,
+                    quantized_params,
+                    reshard,
+                    losses,
+                )
     dist.barrier()
 
 
-@pytest.mark.parametrize("recipe_names", [("none", "fp8", "fp8_delayed", "fp8_dequantized_bwd"),
-                                          ("mxfp8", "nvfp4", "hybrid_mxfp8_nvfp4")], ids=["fp8", "mx_nvfp4"])
+@pytest.mark.parametrize(
+    "recipe_names",
+    [("none", "fp8", "fp8_delayed", "fp8_dequantized_bwd"), ("mxfp8", "nvfp4", "hybrid_mxfp8_nvfp4")],
+    ids=["fp8", "mx_nvfp4"],
+)
 def test_fsdp2_over_fullgraph_compiled_blocks_equals_eager(recipe_names):
     """FSDP2 (2 gloo ranks) over blocks compiled with fullgraph=True, then sharded: the losses of
     two training steps are bitwise those of the eager sharded model, for current, delayed, MX, NVFP4
@@ -272,6 +282,7 @@ def test_blocks_of_one_structure_share_one_graph():
 def test_name_dependent_custom_recipe_compiles_each_module_with_its_quantizers():
     """A CustomRecipe may pick quantizers by module name (here: 'keep' stays high precision):
     each module then gets a graph of its own, with its own quantizers."""
+
     def factory(role):
         return None if role.name.startswith("keep") else dtq.Float8Quantizer()
 
@@ -357,8 +368,9 @@ def test_compiled_quantized_weight_calls_script_nothing(monkeypatch):
 
     compiled_classes = []
     real = script._recursive_compile_class
-    monkeypatch.setattr(script, "_recursive_compile_class",
-                        lambda obj, loc: compiled_classes.append(obj) or real(obj, loc))
+    monkeypatch.setattr(
+        script, "_recursive_compile_class", lambda obj, loc: compiled_classes.append(obj) or real(obj, loc)
+    )
     r = dtq.Float8CurrentScaling()
     m = dtq.convert(Block(torch.relu), recipe=r, quantized_params=True)
     compiled = torch.compile(m, backend="aot_eager", fullgraph=True)

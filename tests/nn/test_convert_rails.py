@@ -16,11 +16,9 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import dtq
-from dtq import tensor as dtq_tensor
 from dtq.testing import spawn
 
 H = 64
@@ -159,12 +157,21 @@ def test_convert_checks_shapes_reports_and_strict(caplog):
     with pytest.raises(ValueError, match=r"(?s)strict=True.*body\.1: .*attn\.out_proj: .*head: "):
         dtq.convert(Mixed(), recipe=dtq.MXFP8BlockScaling(), strict=True)
     keep = {"body.1", "head", "attn.out_proj"}
-    _, report = dtq.convert(Mixed(), recipe=dtq.MXFP8BlockScaling(), strict=True, report=True,
-                            module_filter_fn=lambda m, fqn: fqn not in keep)
+    _, report = dtq.convert(
+        Mixed(),
+        recipe=dtq.MXFP8BlockScaling(),
+        strict=True,
+        report=True,
+        module_filter_fn=lambda m, fqn: fqn not in keep,
+    )
     assert report.refused == {} and report.skipped["head"] == "left out by the filter (module_filter_fn)"
     # FSDP2 shards: 128x128 weight blocks cannot be split into 32-row shards
-    _, report = dtq.convert(torch.nn.Sequential(torch.nn.Linear(H, 256), torch.nn.Linear(256, H)),
-                            recipe=dtq.Float8BlockScaling(), fsdp_world=2, report=True)
+    _, report = dtq.convert(
+        torch.nn.Sequential(torch.nn.Linear(H, 256), torch.nn.Linear(256, H)),
+        recipe=dtq.Float8BlockScaling(),
+        fsdp_world=2,
+        report=True,
+    )
     assert report.converted == ("0",) and "FSDP2 over 2 ranks gives shards of 32 rows" in report.skipped["1"]
     # without a recipe nothing can be checked: everything safe is converted, and the report says so
     _, report = dtq.convert(Mixed(), report=True)
@@ -182,8 +189,14 @@ def test_shape_problems_name_gemms_by_full_name():
 def _llama(seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=4)
+    cfg = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    )
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg)
 
@@ -224,8 +237,6 @@ def _check_llama_fsdp2(rank, world):
     with pytest.raises(ValueError, match=r"cannot all-gather lm_head\.weight \(shape \[1000, 128\]\)"):
         with dtq.autocast(dtq.MXFP8BlockScaling()):
             model(input_ids=ids, labels=ids)
-
-
 
 
 # -- symptom 6: dtq.nn.Linear is an nn.Linear; subclasses ----------------------------------------

@@ -26,10 +26,19 @@ def _gemms(qa, qb):
     gq = qa.quantize(DY, seed=3)
     d = lambda t, dirn: t.dequantize(torch.float64, direction=dirn)  # noqa: E731
     return [
-        ("fprop", Operand(xq, "rowwise"), Operand(wq, "rowwise", transpose=True), d(xq, "rowwise") @ d(wq, "rowwise").T),
+        (
+            "fprop",
+            Operand(xq, "rowwise"),
+            Operand(wq, "rowwise", transpose=True),
+            d(xq, "rowwise") @ d(wq, "rowwise").T,
+        ),
         ("dgrad", Operand(gq, "rowwise"), Operand(wq, "columnwise"), d(gq, "rowwise") @ d(wq, "columnwise")),
-        ("wgrad", Operand(gq, "columnwise", transpose=True), Operand(xq, "columnwise"),
-         d(gq, "columnwise").T @ d(xq, "columnwise")),
+        (
+            "wgrad",
+            Operand(gq, "columnwise", transpose=True),
+            Operand(xq, "columnwise"),
+            d(gq, "columnwise").T @ d(xq, "columnwise"),
+        ),
     ]
 
 
@@ -55,12 +64,17 @@ def test_plain_high_precision_operand_and_shape_error():
 
 def _linear_gemms(xq, wq, gq) -> list[tuple[Operand, Operand]]:
     """(A, B) of fprop, dgrad and wgrad as dtq's Linear runs them."""
-    return [(Operand(xq), Operand(wq, transpose=True)), (Operand(gq), Operand(wq, "columnwise")),
-            (Operand(gq, "columnwise", transpose=True), Operand(xq, "columnwise"))]
+    return [
+        (Operand(xq), Operand(wq, transpose=True)),
+        (Operand(gq), Operand(wq, "columnwise")),
+        (Operand(gq, "columnwise", transpose=True), Operand(xq, "columnwise")),
+    ]
 
 
-cuda = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
-                          reason="needs an FP8-capable GPU (sm_89+)")
+cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+    reason="needs an FP8-capable GPU (sm_89+)",
+)
 
 
 @cuda
@@ -82,8 +96,10 @@ def test_fp8_tensorwise_native_path_agrees_with_emulation(out_dtype, grad_dtype)
         assert _rel(native, emulated) < tol
 
 
-hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                            reason="needs a Hopper GPU (sm_90) for cuBLAS blockwise FP8")
+hopper = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+    reason="needs a Hopper GPU (sm_90) for cuBLAS blockwise FP8",
+)
 
 
 @hopper
@@ -134,8 +150,10 @@ def test_fp8_rowwise_native_path_agrees_with_emulation(shape, weight, out_dtype,
         tol = 5e-4 if out_dtype == torch.float32 else 4e-3
         assert _rel(native, dtq.gemm._emulated(a, b, torch.float32)) < tol
     # scales along the contraction dim cannot be applied after the product: emulated
-    wrong = (Operand(xq, "columnwise"), Operand(wq if weight == "rowwise_scaled" else a_q.quantize(w), "rowwise",
-                                                 transpose=True))
+    wrong = (
+        Operand(xq, "columnwise"),
+        Operand(wq if weight == "rowwise_scaled" else a_q.quantize(w), "rowwise", transpose=True),
+    )
     assert not dtq.gemm._fp8_rowwise_ok(*wrong, torch.bfloat16)
     # two E5M2 operands are emulated (torch's row-wise GEMM takes at most one)
     g5, w5 = (dtq.Float8RowwiseQuantizer(torch.float8_e5m2).quantize(t) for t in (dy, w))
@@ -164,19 +182,15 @@ def test_modules_take_native_path_on_gpu():
 def test_exact_dtype_claims_hold(q):
     """A format that says its GEMM values fit bf16 exactly must mean it: the bf16 tensor-core path
     rests on it. Inputs span 2^-40..2^40 so scales of every size occur."""
-    from dtq.formats import codec_for
-
     g = torch.Generator().manual_seed(4)
     x = torch.randn(M, K, generator=g) * torch.exp2(torch.randint(-40, 40, (M, 1), generator=g).float())
     t = q.quantize(x, seed=5)
     for d in t.directions:
-        sub = q.for_direction(d)
-        codec = codec_for(sub)
+        codec = q.codec(d)
         for rotated in (False, True):
-            if codec.exact_dtype(sub, t.payload(d), d, rotated) != torch.bfloat16:
+            if codec.exact_dtype(t.payload(d), rotated) != torch.bfloat16:
                 continue
-            read = codec.dequantize_rotated if rotated else codec.dequantize_factored
-            vals, _ = read(sub, t.payload(d), d, t.shape2d)
+            vals, _ = codec.dequantize(t.payload(d), t.shape2d, factored=True, rotated=rotated)
             assert torch.equal(vals.to(torch.bfloat16).float(), vals), (d, rotated)
 
 
@@ -196,10 +210,14 @@ def test_bf16_tensor_core_emulation_on_gpu():
     """MXFP8 / NVFP4 (also rotated wgrad) / power-of-two FP8 block operands run as a BF16 GEMM with
     fp32 accumulation; it computes the fp32 emulation's sum of the same exact products, in
     another order (relative difference at fp32 rounding level)."""
-    cases = [(dtq.MXFP8Quantizer(), dtq.MXFP8Quantizer()),
-             (dtq.HybridQuantizer(rowwise=dtq.MXFP8Quantizer(), columnwise=dtq.NVFP4Quantizer(random_hadamard=True)),
-              dtq.NVFP4Quantizer((16, 16))),
-             (dtq.Float8BlockQuantizer((1, 128)), dtq.Float8BlockQuantizer((128, 128)))]
+    cases = [
+        (dtq.MXFP8Quantizer(), dtq.MXFP8Quantizer()),
+        (
+            dtq.HybridQuantizer(rowwise=dtq.MXFP8Quantizer(), columnwise=dtq.NVFP4Quantizer(random_hadamard=True)),
+            dtq.NVFP4Quantizer((16, 16)),
+        ),
+        (dtq.Float8BlockQuantizer((1, 128)), dtq.Float8BlockQuantizer((128, 128))),
+    ]
     for qa, qb in cases:
         xq, wq, gq = qa.quantize(X.cuda(), seed=1), qb.quantize(W.cuda(), seed=2), qa.quantize(DY.cuda(), seed=3)
         for a, b in _linear_gemms(xq, wq, gq):
@@ -211,12 +229,14 @@ def test_bf16_tensor_core_emulation_on_gpu():
             assert _rel(out, dtq.gemm._emulated(a, b, torch.float32)) < 1e-5
             # A bf16 output (written by the GEMM where no per-tensor factor follows) is that sum
             # rounded once: within bf16's rounding (2^-9 relative per element) of the fp32 result.
-            assert _rel(mm(a, b, torch.bfloat16).float(), out) < 2 ** -8
+            assert _rel(mm(a, b, torch.bfloat16).float(), out) < 2**-8
             rotated = dtq.gemm._shared_rotation(a, b)
             for op in (a, b):  # the bf16 operands (kernel-written) are the CPU reference's values
                 cpu = Operand(op.tensor.to("cpu"), op.direction, op.transpose)
-                assert torch.equal(op.values(rotated, torch.bfloat16)[0].cpu(),
-                                   cpu.values(rotated, torch.float32)[0].to(torch.bfloat16))
+                assert torch.equal(
+                    op.values(rotated, torch.bfloat16)[0].cpu(),
+                    cpu.values(rotated, torch.float32)[0].to(torch.bfloat16),
+                )
 
 
 _PRECISION_KEYS = [("generic", "all"), ("cuda", "all"), ("cuda", "matmul"), ("mkldnn", "all"), ("mkldnn", "matmul")]
@@ -300,9 +320,11 @@ def test_cuda_flag_holds_give_back_exactly_what_the_user_set(user_flags):
 
     with tf32_off:  # torch's default (no TF32): nothing to change
         assert cuda_mm() == "none"
-    for user in (lambda: setattr(torch.backends.cuda.matmul, "fp32_precision", "tf32"),
-                 lambda: torch.set_float32_matmul_precision("medium"),  # stays "medium", not "high"
-                 lambda: setattr(torch.backends, "fp32_precision", "tf32")):  # inherited by cuda.matmul
+    for user in (
+        lambda: setattr(torch.backends.cuda.matmul, "fp32_precision", "tf32"),
+        lambda: torch.set_float32_matmul_precision("medium"),  # stays "medium", not "high"
+        lambda: setattr(torch.backends, "fp32_precision", "tf32"),
+    ):  # inherited by cuda.matmul
         _torch_defaults()
         user()
         before = _precisions()

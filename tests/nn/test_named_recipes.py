@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import dtq
-from dtq.recipes import FACTORIES
 from dtq.launch.recipes import build_recipe
+from dtq.recipes import FACTORIES
 
 NV, MX, ID = dtq.NVFP4Quantizer, dtq.MXFP8Quantizer, dtq.IdentityQuantizer
 HP = None  # the slot stays in high precision

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dtq
-import dtq.formats.base as fbase
+import dtq.formats.base as fbase  # Quantizer.quantize / quantize_data look quantize_payloads up here
 
 TOKENS, K, N = 64, 64, 96
 
@@ -26,6 +26,7 @@ def _hybrid_block_identity():
             return dtq.Float8BlockQuantizer((1, 128))
         blk = (128, 128) if role.tensor_type == "weight" else (1, 128)
         return dtq.HybridQuantizer(rowwise=dtq.Float8BlockQuantizer(blk), columnwise=dtq.IdentityQuantizer())
+
     return dtq.CustomRecipe(factory)
 
 
@@ -82,6 +83,7 @@ def _reference64(module, call, x, grad):
 
 def _clone64(module):
     import copy
+
     return copy.deepcopy(module).double()
 
 
@@ -104,15 +106,19 @@ def test_sqnr_against_float64(recipe_name, module_name):
     assert got[0] >= f_out - chain and got[1] >= f_dx - chain and got[2] >= f_dw - chain, got
 
 
-@pytest.mark.parametrize("plain,q_in,q_w,q_g", [
-    (dtq.MXFP8BlockScaling(), dtq.MXFP8Quantizer, dtq.MXFP8Quantizer, dtq.MXFP8Quantizer),
-    (dtq.Float8CurrentScaling(fp8_format="E4M3"), dtq.Float8Quantizer, dtq.Float8Quantizer, dtq.Float8Quantizer),
-])
+@pytest.mark.parametrize(
+    "plain,q_in,q_w,q_g",
+    [
+        (dtq.MXFP8BlockScaling(), dtq.MXFP8Quantizer, dtq.MXFP8Quantizer, dtq.MXFP8Quantizer),
+        (dtq.Float8CurrentScaling(fp8_format="E4M3"), dtq.Float8Quantizer, dtq.Float8Quantizer, dtq.Float8Quantizer),
+    ],
+)
 def test_same_format_hybrid_recipe_is_bitwise_plain(plain, q_in, q_w, q_g):
     def factory(role):
         if role.tensor_type == "grad_output":
             return q_g()
         return dtq.HybridQuantizer(rowwise=q_in(), columnwise=q_w())
+
     module, call = _modules()["LayerNormMLP"]
     x = torch.randn(TOKENS, K)
     grad = torch.randn(_out_shape(module, call, x))
@@ -130,7 +136,9 @@ def test_same_format_nvfp4_hybrid_with_stochastic_rounding_is_bitwise_plain():
         if role.tensor_type == "grad_output":
             return q
         import dataclasses
+
         return dtq.HybridQuantizer(rowwise=q, columnwise=dataclasses.replace(q))
+
     module, call = _modules()["Linear"]
     x, grad = torch.randn(TOKENS, K), torch.randn(TOKENS, N)
     torch.manual_seed(5)
@@ -153,8 +161,11 @@ def test_factory_called_with_documented_roles():
         (dtq.nn.Linear(K, N, name="a"), lambda m, x: m(x), L("linear", "a")),
         (dtq.nn.LayerNormLinear(K, N, name="b"), lambda m, x: m(x), L("linear", "b")),
         (dtq.nn.LayerNormMLP(K, N, name="c"), lambda m, x: m(x), L("linear", "c.fc1") + L("linear", "c.fc2")),
-        (dtq.nn.GroupedLinear(2, K, N, name="d"), lambda m, x: m(x, [32, 32]),
-         L("grouped_linear", "d.gemm0") + L("grouped_linear", "d.gemm1")),
+        (
+            dtq.nn.GroupedLinear(2, K, N, name="d"),
+            lambda m, x: m(x, [32, 32]),
+            L("grouped_linear", "d.gemm0") + L("grouped_linear", "d.gemm1"),
+        ),
     ]
     for module, call, expected in cases:
         calls.clear()
@@ -168,8 +179,9 @@ def test_factory_called_with_documented_roles():
 
 
 def test_convert_names_roles_by_fqn_and_keeps_parameters():
-    model = torch.nn.Sequential(torch.nn.Linear(K, N), torch.nn.GELU(),
-                                torch.nn.Sequential(torch.nn.Linear(N, K), torch.nn.Linear(K, K)))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(K, N), torch.nn.GELU(), torch.nn.Sequential(torch.nn.Linear(N, K), torch.nn.Linear(K, K))
+    )
     w = model[2][0].weight
     seen = []
     dtq.convert(model, module_filter_fn=lambda m, fqn: fqn != "2.1")
@@ -208,8 +220,11 @@ def test_high_precision_override_matches_unquantized_bitwise(module_name, recipe
     r = recipe()
     # A HybridRecipe refuses an override (its columnwise part would be ignored); the same
     # hybrid quantizers through a CustomRecipe are accepted, with a warning.
-    r = dtq.CustomRecipe(r.qfactory, backward_override="high_precision") if isinstance(r, dtq.HybridRecipe) \
+    r = (
+        dtq.CustomRecipe(r.qfactory, backward_override="high_precision")
+        if isinstance(r, dtq.HybridRecipe)
         else type(r)(backward_override="high_precision")
+    )
     module, call = _modules()[module_name]
     rows = 128 if module_name == "GroupedLinear" else TOKENS
     x = torch.randn(rows, K)
@@ -239,8 +254,9 @@ def test_high_precision_override_single_gemm_random_grad():
     assert torch.equal(grads["weight"], grads_r["weight"]) and torch.equal(grads["bias"], grads_r["bias"])
 
 
-@pytest.mark.parametrize("recipe", [dtq.MXFP8BlockScaling, dtq.NVFP4BlockScaling, dtq.Float8BlockScaling,
-                                    dtq.Float8RowwiseScaling])
+@pytest.mark.parametrize(
+    "recipe", [dtq.MXFP8BlockScaling, dtq.NVFP4BlockScaling, dtq.Float8BlockScaling, dtq.Float8RowwiseScaling]
+)
 def test_dequantized_override_matches_manual_bitwise(recipe, monkeypatch):
     r = recipe(backward_override="dequantized")
     torch.manual_seed(4)
@@ -304,8 +320,9 @@ def test_errors_are_actionable():
     with pytest.raises(ValueError, match="stochastic_rounding=True has no effect with backward_override"):
         dtq.NVFP4BlockScaling(stochastic_rounding=True, backward_override="dequantized")
     with pytest.raises(ValueError, match="columnwise and grad parts would be ignored"):
-        dtq.HybridRecipe(rowwise=dtq.MXFP8BlockScaling(), columnwise=dtq.NVFP4BlockScaling(),
-                         backward_override="dequantized")
+        dtq.HybridRecipe(
+            rowwise=dtq.MXFP8BlockScaling(), columnwise=dtq.NVFP4BlockScaling(), backward_override="dequantized"
+        )
     with pytest.raises(ValueError, match="keeps amax histories"):
         dtq.hybrid_recipe(dtq.DelayedScaling(), dtq.NVFP4BlockScaling())
     with pytest.raises(TypeError, match=r"returned Quantizer for QuantizerRole"):
@@ -327,8 +344,11 @@ def test_errors_are_actionable():
 
 
 def test_quantized_params_train_and_meta_init():
-    model = dtq.convert(torch.nn.Sequential(torch.nn.Linear(K, N), torch.nn.ReLU(), torch.nn.Linear(N, K)),
-                        recipe=dtq.MXFP8BlockScaling(), quantized_params=True)
+    model = dtq.convert(
+        torch.nn.Sequential(torch.nn.Linear(K, N), torch.nn.ReLU(), torch.nn.Linear(N, K)),
+        recipe=dtq.MXFP8BlockScaling(),
+        quantized_params=True,
+    )
     assert all(isinstance(m.weight, dtq.QuantizedTensor) for m in (model[0], model[2]))
     with dtq.autocast(dtq.MXFP8BlockScaling()):
         model(torch.randn(TOKENS, K)).sum().backward()
@@ -380,14 +400,18 @@ def test_high_precision_override_layernorm_modules_bitwise(activation, normaliza
         h = F.layer_norm(xr, (K,), params["norm.weight"], params["norm.bias"], mlp.norm.eps)
     else:
         h = F.rms_norm(xr, (K,), params["norm.weight"], mlp.norm.eps)
-    y1 = _Inject.apply(F.linear(h, params["fc1_weight"], params["fc1_bias"]),
-                       q_linear(h.detach(), params["fc1_weight"], params["fc1_bias"], ".fc1"))
+    y1 = _Inject.apply(
+        F.linear(h, params["fc1_weight"], params["fc1_bias"]),
+        q_linear(h.detach(), params["fc1_weight"], params["fc1_bias"], ".fc1"),
+    )
     if activation == "swiglu":
         act = dtq.nn.functional.swiglu(y1)  # the module's activation (fp32 math, one rounding)
     else:
         act = F.gelu(y1, approximate="tanh")
-    y2 = _Inject.apply(F.linear(act, params["fc2_weight"], params["fc2_bias"]),
-                       q_linear(act.detach(), params["fc2_weight"], params["fc2_bias"], ".fc2"))
+    y2 = _Inject.apply(
+        F.linear(act, params["fc2_weight"], params["fc2_bias"]),
+        q_linear(act.detach(), params["fc2_weight"], params["fc2_bias"], ".fc2"),
+    )
     y2.backward(g)
     assert torch.equal(dx, xr.grad)
     for n, p in params.items():
@@ -422,8 +446,9 @@ def test_checkpoint_recompute_is_bitwise(recipe, reentrant):
 
     def run(use_ckpt):
         torch.manual_seed(11)
-        block = torch.nn.Sequential(dtq.nn.LayerNormMLP(K, N, activation="swiglu", name="mlp"),
-                                    dtq.nn.Linear(K, K, name="out"))
+        block = torch.nn.Sequential(
+            dtq.nn.LayerNormMLP(K, N, activation="swiglu", name="mlp"), dtq.nn.Linear(K, K, name="out")
+        )
         x = torch.randn(TOKENS, K, requires_grad=True)
         r = recipe()
         for _ in range(2):  # two steps: delayed scaling then scales from history
@@ -472,6 +497,7 @@ def test_delayed_scaling_state_survives_moves_and_checkpoints():
 
 def test_models_and_recipes_pickle(tmp_path):
     import pickle
+
     model = torch.nn.Sequential(dtq.nn.Linear(K, N, name="a"), dtq.nn.Linear(N, K, name="b"))
     recipe = dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling())
     with dtq.autocast(recipe):
@@ -479,7 +505,11 @@ def test_models_and_recipes_pickle(tmp_path):
     torch.save(model, tmp_path / "m.pt")
     loaded = torch.load(tmp_path / "m.pt", weights_only=False)
     assert torch.equal(loaded[0].weight, model[0].weight)
-    assert pickle.loads(pickle.dumps(recipe)) == recipe == dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling())
+    assert (
+        pickle.loads(pickle.dumps(recipe))
+        == recipe
+        == dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling())
+    )
     qm = dtq.convert(torch.nn.Linear(K, N), recipe=dtq.NVFP4BlockScaling(), quantized_params=True)
     back = pickle.loads(pickle.dumps(qm))
     assert torch.equal(back.weight.dequantize(), qm.weight.dequantize())
@@ -497,7 +527,11 @@ def test_dequantized_override_bitwise_grouped_3d_bf16(dtype, monkeypatch):
     for i, rows in enumerate((slice(0, 32), slice(32, 64))):
         role = lambda t: dtq.QuantizerRole("grouped_linear", t, f"g.gemm{i}")  # noqa: E731
         xd = r.quantizer(role("input")).quantize(x2[rows], columnwise=False).dequantize(torch.float32)
-        wd = r.quantizer(role("weight")).quantize(getattr(g, f"weight{i}").detach(), columnwise=False).dequantize(torch.float32)
+        wd = (
+            r.quantizer(role("weight"))
+            .quantize(getattr(g, f"weight{i}").detach(), columnwise=False)
+            .dequantize(torch.float32)
+        )
         gi = g2[rows].float()
         assert torch.equal(dx.reshape(64, K)[rows], gi.mm(wd).to(dtype))
         assert torch.equal(grads[f"weight{i}"], xd.t().mm(gi).t().to(dtype))
@@ -529,7 +563,7 @@ def test_meta_init_then_reset_parameters():
     torch.manual_seed(0)
     meta.reset_parameters()
     w = meta.fc1_weight.__dtq_unwrap__()
-    assert w.abs().max() > 0 and w.abs().max() <= 1 / K ** 0.5 + 1e-6  # kaiming_uniform(a=sqrt(5)) bound
+    assert w.abs().max() > 0 and w.abs().max() <= 1 / K**0.5 + 1e-6  # kaiming_uniform(a=sqrt(5)) bound
 
 
 def test_foreach_inplace_updates_quantized_params():
@@ -538,5 +572,7 @@ def test_foreach_inplace_updates_quantized_params():
     before = [t.dequantize() for t in ts]
     torch._foreach_add_(ts, [torch.ones(64, 64), torch.ones(64, 64)])
     for t, b in zip(ts, before):
-        assert torch.equal(t.payload("rowwise")["data"].view(torch.uint8),
-                           q.quantize(b + 1).payload("rowwise")["data"].view(torch.uint8))
+        assert torch.equal(
+            t.payload("rowwise")["data"].view(torch.uint8),
+            q.quantize(b + 1).payload("rowwise")["data"].view(torch.uint8),
+        )

@@ -116,8 +116,15 @@ def _linear_run(recipe, x_amax_scale=None, grad_amax_scale=None):
     return y.detach(), x.grad, lin.weight.grad
 
 
-@pytest.mark.parametrize("recipe, used", [(dtq.Float8CurrentScaling(), True), (dtq.NVFP4BlockScaling(), True),
-                                          (dtq.MXFP8BlockScaling(), False), (dtq.DelayedScaling(), False)])
+@pytest.mark.parametrize(
+    "recipe, used",
+    [
+        (dtq.Float8CurrentScaling(), True),
+        (dtq.NVFP4BlockScaling(), True),
+        (dtq.MXFP8BlockScaling(), False),
+        (dtq.DelayedScaling(), False),
+    ],
+)
 def test_known_amax_reaches_current_scaling_only(recipe, used):
     """A GEMM given max|x| (x_amax) and max|dy| (through an AmaxLink) quantizes exactly as it would
     have computed them; a wrong value changes the result only where current scaling reads it."""
@@ -132,11 +139,14 @@ def test_known_amax_reaches_current_scaling_only(recipe, used):
     assert torch.equal(exact[1], wrong_g[1]) != used
 
 
-@pytest.mark.parametrize("shape, block, match", [
-    ((4, 7), None, "must be even"),
-    ((4, 12), 4, "block=4 must divide half the last dim"),
-    ((4, 12), 0, "block=0"),
-])
+@pytest.mark.parametrize(
+    "shape, block, match",
+    [
+        ((4, 7), None, "must be even"),
+        ((4, 12), 4, "block=4 must divide half the last dim"),
+        ((4, 12), 0, "block=0"),
+    ],
+)
 def test_bad_input_errors(shape, block, match):
     with pytest.raises(ValueError, match=match):
         swiglu(torch.randn(shape), block)
@@ -146,10 +156,30 @@ def test_bad_input_errors(shape, block, match):
 
 # -- GPU: bits of the kernels ------------------------------------------------------------------
 
+
 def _edge_values(n: int, dtype: torch.dtype, device) -> torch.Tensor:
     fi = torch.finfo(dtype)
-    special = torch.tensor([0.0, -0.0, 1.0, -1.0, 88.0, -88.0, 104.0, -104.0, fi.max, -fi.max, fi.tiny,
-                            float("inf"), float("-inf"), float("nan"), 1e-3, -20.0], dtype=torch.float32)
+    special = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            88.0,
+            -88.0,
+            104.0,
+            -104.0,
+            fi.max,
+            -fi.max,
+            fi.tiny,
+            float("inf"),
+            float("-inf"),
+            float("nan"),
+            1e-3,
+            -20.0,
+        ],
+        dtype=torch.float32,
+    )
     return special.repeat(n // special.numel() + 1)[:n].to(dtype).to(device)
 
 
@@ -159,19 +189,22 @@ def _assert_bits(a: torch.Tensor, b: torch.Tensor):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows, F, block, offset", [
-    (512, 1024, None, 0),   # halves, vectorized
-    (300, 96, 32, 0),       # interleaved, vectorized
-    (33, 12, None, 0),      # F not a multiple of the 16-bit dtypes' vector width: scalar (fp32: 4-wide)
-    (64, 64, 64, 1),        # misaligned base pointer: scalar
-    (7, 40, 8, 0),
-])
+@pytest.mark.parametrize(
+    "rows, F, block, offset",
+    [
+        (512, 1024, None, 0),  # halves, vectorized
+        (300, 96, 32, 0),  # interleaved, vectorized
+        (33, 12, None, 0),  # F not a multiple of the 16-bit dtypes' vector width: scalar (fp32: 4-wide)
+        (64, 64, 64, 1),  # misaligned base pointer: scalar
+        (7, 40, 8, 0),
+    ],
+)
 def test_kernel_bits_match_reference_on_cuda(dtype, rows, F, block, offset):
     torch.manual_seed(4)
     blk = F if block is None else block
     n = rows * 2 * F
     flat = (torch.randn(n + offset, device="cuda") * 4).to(dtype)
-    flat[offset:offset + 64] = _edge_values(64, dtype, "cuda")
+    flat[offset : offset + 64] = _edge_values(64, dtype, "cuda")
     x = flat[offset:].view(rows, 2 * F)
     dh = (torch.randn(rows, F, device="cuda") * 2).to(dtype)
     dh.view(-1)[:32] = _edge_values(32, dtype, "cuda")
@@ -181,8 +214,10 @@ def test_kernel_bits_match_reference_on_cuda(dtype, rows, F, block, offset):
     _assert_bits(h, h_ref)
     _assert_bits(kernels.swiglu_backward(dh, x, blk)[0], dx_ref)
     # max|out| handed to the next quantization: the amax kernel's bits of the same values
-    for (out, amax), ref in ((kernels.swiglu(x, blk, want_amax=True), h_ref),
-                             (kernels.swiglu_backward(dh, x, blk, want_amax=True), dx_ref)):
+    for (out, amax), ref in (
+        (kernels.swiglu(x, blk, want_amax=True), h_ref),
+        (kernels.swiglu_backward(dh, x, blk, want_amax=True), dx_ref),
+    ):
         _assert_bits(out, ref)
         assert torch.equal(amax.view(torch.int32), kernels.amax(ref, True, None)[0].view(torch.int32))
     # through autograd, with a leading batch dim and a non-contiguous (expanded) gradient
@@ -201,7 +236,7 @@ def test_kernel_amax_is_the_max_over_every_block(dtype):
     torch.manual_seed(9)
     rows, F = 4096, 512
     x = torch.randn(rows, 2 * F, device="cuda").to(dtype)
-    x[-1, F - 1], x[-1, -1] = 8.0, 50.0   # h[-1, -1] = silu(8) * 50, the largest by far
+    x[-1, F - 1], x[-1, -1] = 8.0, 50.0  # h[-1, -1] = silu(8) * 50, the largest by far
     dh = torch.randn(rows, F, device="cuda").to(dtype)
     dh[-1, -1] = 100.0
     for out, amax in (kernels.swiglu(x, F, want_amax=True), kernels.swiglu_backward(dh, x, F, want_amax=True)):
@@ -240,7 +275,7 @@ def test_kernel_path_empty_and_double_backward_on_cuda():
 def test_scale_cast_bits_match_torch(out_dtype, which, n, offset):
     torch.manual_seed(5)
     src = torch.randn(n + offset, device="cuda") * 1e3
-    src[offset:offset + 4] = torch.tensor([float("inf"), float("nan"), 3e38, -0.0])
+    src[offset : offset + 4] = torch.tensor([float("inf"), float("nan"), 3e38, -0.0])
     src = src[offset:]
     fa = torch.tensor(0.37, device="cuda") if "a" in which else None
     fb = torch.tensor(1.7e-3, device="cuda") if "b" in which else None
@@ -264,14 +299,26 @@ def test_scale_cast_declines_what_it_cannot_do():
 
 
 @needs_kernels
-@pytest.mark.parametrize("recipe", [dtq.Float8CurrentScaling(), dtq.NVFP4BlockScaling(), dtq.MXFP8BlockScaling()],
-                         ids=["fp8", "nvfp4", "mxfp8"])
+@pytest.mark.parametrize(
+    "recipe",
+    [dtq.Float8CurrentScaling(), dtq.NVFP4BlockScaling(), dtq.MXFP8BlockScaling()],
+    ids=["fp8", "nvfp4", "mxfp8"],
+)
 def test_layernorm_mlp_link_is_bitwise_the_unlinked_composition(recipe):
     """LayerNormMLP hands the SwiGLU kernels' amaxes to its GEMMs; the result must be bitwise what
     the same GEMMs compute with their own amax passes."""
     torch.manual_seed(6)
-    mlp = dtq.nn.LayerNormMLP(256, 512, bias=False, normalization="RMSNorm", activation="swiglu",
-                              swiglu_interleave=64, params_dtype=torch.bfloat16, device="cuda", name="mlp")
+    mlp = dtq.nn.LayerNormMLP(
+        256,
+        512,
+        bias=False,
+        normalization="RMSNorm",
+        activation="swiglu",
+        swiglu_interleave=64,
+        params_dtype=torch.bfloat16,
+        device="cuda",
+        name="mlp",
+    )
     x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
 

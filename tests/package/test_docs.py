@@ -37,10 +37,19 @@ def test_distributed_snippets_join_the_torchrun_job(tmp_path, marker):
     world size 2 (a guard of their own that made a one-rank group on every process went unnoticed)."""
     script = tmp_path / "snippet.py"
     script.write_text(_snippet(ROOT / "docs" / "distributed.md", marker))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
-           "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        "OMP_NUM_THREADS": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "world size 2, rank 0" in out and "world size 2, rank 1" in out, out[-4000:]
@@ -84,8 +93,11 @@ def test_docs_never_point_outside_the_repository():
             local = (path.parent / target).resolve()
             if "://" in target or not local.is_relative_to(ROOT) or not local.exists():
                 problems.append(f"{path.relative_to(ROOT)}: link {target}")
-        problems += [f"{path.relative_to(ROOT)}: {url}" for url in re.findall(r"https?://[^\s)`>]+", text)
-                     if not url.startswith(_ALLOWED_URLS)]
+        problems += [
+            f"{path.relative_to(ROOT)}: {url}"
+            for url in re.findall(r"https?://[^\s)`>]+", text)
+            if not url.startswith(_ALLOWED_URLS)
+        ]
     for path in [*DOCS, *ROOT.glob("dtq/**/*.py"), *ROOT.glob("launch/**/*.py"), *ROOT.glob("tests/**/*.py")]:
         if path.name != "test_docs.py":
             text = path.read_text()

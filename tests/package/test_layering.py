@@ -121,9 +121,12 @@ def test_no_import_cycle():
 
 def test_imports_point_down():
     mods = _modules()
-    upward = [f"{mods[a].relative_to(ROOT.parent)}:{line} imports {b} ({LAYERS[_layer(b)][0]} layer) from the "
-              f"{LAYERS[_layer(a)][0]} layer"
-              for a, b, line in sorted(set(_imports(mods))) if _layer(b) > _layer(a)]
+    upward = [
+        f"{mods[a].relative_to(ROOT.parent)}:{line} imports {b} ({LAYERS[_layer(b)][0]} layer) from the "
+        f"{LAYERS[_layer(a)][0]} layer"
+        for a, b, line in sorted(set(_imports(mods)))
+        if _layer(b) > _layer(a)
+    ]
     assert not upward, "imports that go up the stack:\n" + "\n".join(upward)
 
 

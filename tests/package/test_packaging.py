@@ -19,8 +19,12 @@ def wheel_site(tmp_path_factory) -> tuple[pathlib.Path, set[str]]:
     """The wheel built from this checkout, unpacked: (its directory, the names it holds)."""
     pytest.importorskip("setuptools", reason="building the wheel without isolation needs setuptools")
     tmp = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp)], check=True, cwd=tmp, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp)],
+        check=True,
+        cwd=tmp,
+        capture_output=True,
+    )
     (wheel,) = tmp.glob("dtq-*.whl")
     with zipfile.ZipFile(wheel) as z:
         z.extractall(tmp / "site")
@@ -39,8 +43,14 @@ def test_wheel_ships_the_kernel_sources_and_kernels_find_them(wheel_site):
         assert (tmp_path / "site" / "dtq" / "_csrc" / name).read_bytes() == (ROOT / "csrc" / name).read_bytes()
 
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}  # the installed layout, no checkout beside it
-    out = subprocess.run([sys.executable, "-c", "import dtq.kernels as k; print(k.CSRC)"], check=True, env=env,
-                         cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, "-c", "import dtq.kernels as k; print(k.CSRC)"],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     assert pathlib.Path(out) == tmp_path / "site" / "dtq" / "_csrc"
 
 
@@ -55,8 +65,14 @@ def test_wheel_ships_types_and_the_trainer_with_its_command(wheel_site):
     scripts.read(site / entry_points)
     assert dict(scripts["console_scripts"]) == {"dtq-train": "dtq.launch.train:cli"}
     env = {**os.environ, "PYTHONPATH": str(site)}
-    out = subprocess.run([sys.executable, "-c", "import dtq.launch.train as t; print(t.__file__); t.cli()", "--help"],
-                         check=True, env=env, cwd=site.parent, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", "import dtq.launch.train as t; print(t.__file__); t.cli()", "--help"],
+        check=True,
+        env=env,
+        cwd=site.parent,
+        capture_output=True,
+        text=True,
+    ).stdout
     path, usage = out.split("\n", 1)
     assert pathlib.Path(path) == site / "dtq" / "launch" / "train.py"
     assert usage.startswith("usage:") and "--config" in usage and "--resume" in usage
@@ -65,8 +81,12 @@ def test_wheel_ships_types_and_the_trainer_with_its_command(wheel_site):
 def test_python_m_dtq_kernels_runs_without_a_runpy_warning():
     """``python -m dtq.kernels`` runs ``dtq/kernels/__main__.py``; as a plain module imported by
     ``import dtq`` it made runpy warn before every run."""
-    proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "dtq.kernels", "info"], cwd=ROOT,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-m", "dtq.kernels", "info"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0 and "RuntimeWarning" not in proc.stderr, proc.stderr
     assert proc.stdout.startswith("build dir: ")
 

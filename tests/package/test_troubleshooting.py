@@ -39,11 +39,27 @@ MIN_LITERAL = 15  # literal characters a message needs to be checked
 PREFIX_LITERAL = 60  # literal characters of a message's start that the docs must contain
 GAP = r".{0,120}?"  # what an interpolated value may look like in the docs
 
-EXCEPTIONS = {"ValueError", "TypeError", "RuntimeError", "KeyError", "ImportError", "TimeoutError", "IndexError",
-              "OSError", "FileNotFoundError", "LookupError", "NotImplementedError"}
+EXCEPTIONS = {
+    "ValueError",
+    "TypeError",
+    "RuntimeError",
+    "KeyError",
+    "ImportError",
+    "TimeoutError",
+    "IndexError",
+    "OSError",
+    "FileNotFoundError",
+    "LookupError",
+    "NotImplementedError",
+}
 # call name -> (positional index, keyword) of the message argument
-SINKS = {"warn": (0, "message"), "warn_once": (1, "message"), "record_fallback": (3, "why"),
-         "shape_error": (3, "requirement"), "gather_rows": (None, "reason")}
+SINKS = {
+    "warn": (0, "message"),
+    "warn_once": (1, "message"),
+    "record_fallback": (3, "why"),
+    "shape_error": (3, "requirement"),
+    "gather_rows": (None, "reason"),
+}
 APPEND_TARGETS = {"errors"}  # ``errors.append(msg)``: lines of check_state_dict's RuntimeError
 
 # Messages no user call can reach (internal contracts between dtq's own modules).
@@ -73,8 +89,13 @@ def _message_arg(call: ast.Call) -> ast.AST | None:
     name = fn.id if isinstance(fn, ast.Name) else fn.attr if isinstance(fn, ast.Attribute) else None
     if name in EXCEPTIONS:
         return call.args[0] if call.args else None
-    if name == "append" and isinstance(fn, ast.Attribute) and isinstance(fn.value, ast.Name) \
-            and fn.value.id in APPEND_TARGETS and call.args:
+    if (
+        name == "append"
+        and isinstance(fn, ast.Attribute)
+        and isinstance(fn.value, ast.Name)
+        and fn.value.id in APPEND_TARGETS
+        and call.args
+    ):
         return call.args[0]
     if name in SINKS:
         pos, kw = SINKS[name]
@@ -148,17 +169,20 @@ def test_scanner_finds_the_messages():
 
 def test_every_message_is_documented():
     doc = _doc_text()
-    missing = [f"{where}: {message}" for where, message, pattern in all_messages()
-               if not re.search(pattern, doc)]
-    assert not missing, ("docs/troubleshooting.md does not document these messages (quote the start of each, "
-                         "with what causes it and what to do):\n  " + "\n  ".join(missing))
+    missing = [f"{where}: {message}" for where, message, pattern in all_messages() if not re.search(pattern, doc)]
+    assert not missing, (
+        "docs/troubleshooting.md does not document these messages (quote the start of each, "
+        "with what causes it and what to do):\n  " + "\n  ".join(missing)
+    )
 
 
 def test_an_undocumented_message_fails():
-    src = ('def f(x):\n'
-           '    raise ValueError(f"frobnicate: the widget {x} has no sprocket; attach one first")\n'
-           '    raise AssertionError("an internal invariant that users never see")\n'
-           '    raise NotImplementedError\n')
+    src = (
+        "def f(x):\n"
+        '    raise ValueError(f"frobnicate: the widget {x} has no sprocket; attach one first")\n'
+        '    raise AssertionError("an internal invariant that users never see")\n'
+        "    raise NotImplementedError\n"
+    )
     found = messages_in(src)
     assert len(found) == 1
     assert not re.search(found[0][2], _doc_text())

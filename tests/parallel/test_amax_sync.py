@@ -39,8 +39,10 @@ def _steps(rank, world, reduce: bool, recompute: str | None):
     g = torch.Generator().manual_seed(100 + rank)
     for step in range(3):
         x = torch.randn(16, H, generator=g) * (1 + 3 * rank) * (step + 1)  # ranks see different magnitudes
-        with dtq.autocast(recipe, amax_group=dist.group.WORLD if reduce else None), \
-                warnings.catch_warnings(record=True) as caught:
+        with (
+            dtq.autocast(recipe, amax_group=dist.group.WORLD if reduce else None),
+            warnings.catch_warnings(record=True) as caught,
+        ):
             warnings.simplefilter("always")
             if recompute is None:
                 y = model(x)
@@ -113,6 +115,8 @@ def test_module_called_twice_per_step():
 
 
 def test_amax_group_needs_torch_distributed():
-    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"), \
-            dtq.autocast(dtq.DelayedScaling(), amax_group=object()):
+    with (
+        pytest.raises(RuntimeError, match="torch.distributed is not initialized"),
+        dtq.autocast(dtq.DelayedScaling(), amax_group=object()),
+    ):
         pass

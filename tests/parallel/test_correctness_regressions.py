@@ -16,8 +16,9 @@ from dtq.testing import spawn
 
 def _plain_model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(64, 128, bias=False), torch.nn.GELU(),
-                               torch.nn.Linear(128, 64, bias=False))
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 128, bias=False), torch.nn.GELU(), torch.nn.Linear(128, 64, bias=False)
+    )
 
 
 def _train(model, recipe, steps=5):
@@ -74,10 +75,13 @@ def test_delayed_scaling_recompute_of_a_module_called_twice(algo, reentrant):
     def run(recompute):
         torch.manual_seed(0)
         lin = dtq.convert(torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False)), recipe=recipe)[0]
-        f = (lambda x: lin(lin(x) * 10))
+
+        def f(x):
+            return lin(lin(x) * 10)
+
         grads = []
         for step in range(4):
-            x = (torch.randn(32, 64, generator=torch.Generator().manual_seed(step)) * 100 ** step).requires_grad_(True)
+            x = (torch.randn(32, 64, generator=torch.Generator().manual_seed(step)) * 100**step).requires_grad_(True)
             with dtq.autocast(recipe):
                 y = checkpoint(f, x, use_reentrant=reentrant) if recompute else f(x)
             y.square().mean().backward()
@@ -90,8 +94,13 @@ def test_delayed_scaling_recompute_of_a_module_called_twice(algo, reentrant):
 
 
 _EMPTY_RECIPES = {
-    "none": None, "fp8": dtq.Float8CurrentScaling(), "delayed": dtq.DelayedScaling(), "fp8_block": dtq.Float8BlockScaling(),
-    "fp8_row": dtq.Float8RowwiseScaling(), "mxfp8": dtq.MXFP8BlockScaling(), "nvfp4": dtq.NVFP4BlockScaling(),
+    "none": None,
+    "fp8": dtq.Float8CurrentScaling(),
+    "delayed": dtq.DelayedScaling(),
+    "fp8_block": dtq.Float8BlockScaling(),
+    "fp8_row": dtq.Float8RowwiseScaling(),
+    "mxfp8": dtq.MXFP8BlockScaling(),
+    "nvfp4": dtq.NVFP4BlockScaling(),
     "hybrid": dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling()),
 }
 
@@ -117,9 +126,12 @@ def _check_integer_reshard_after_forward(rank, world, quantized_params):
     mesh = init_device_mesh("cpu", (world,))
     fully_shard(model[0], mesh=mesh, reshard_after_forward=2)  # reshard to groups of 2 after forward
     fully_shard(model, mesh=mesh)
-    with pytest.raises(ValueError, match=r"dtq: 0\.weight belongs to the FSDP2 module '0', sharded with "
-                                         r"fully_shard\(\.\.\., reshard_after_forward=<int>\).*Use "
-                                         r"reshard_after_forward=True"):
+    with pytest.raises(
+        ValueError,
+        match=r"dtq: 0\.weight belongs to the FSDP2 module '0', sharded with "
+        r"fully_shard\(\.\.\., reshard_after_forward=<int>\).*Use "
+        r"reshard_after_forward=True",
+    ):
         with dtq.autocast(recipe):
             model(torch.randn(8, 64))
 

@@ -3,7 +3,6 @@ processes and real collectives: gloo on CPU, NCCL where each rank has a GPU."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -41,7 +40,9 @@ def _model(seed=0, hidden=HIDDEN, ffn=FFN):
     torch.manual_seed(seed)
     return torch.nn.Sequential(
         dtq.nn.LayerNormMLP(hidden, ffn, activation="swiglu", normalization="RMSNorm", name="mlp"),
-        dtq.nn.Linear(hidden, ffn, name="up"), torch.nn.GELU(), dtq.nn.Linear(ffn, hidden, name="down"),
+        dtq.nn.Linear(hidden, ffn, name="up"),
+        torch.nn.GELU(),
+        dtq.nn.Linear(ffn, hidden, name="down"),
     ).to(_device())
 
 
@@ -62,9 +63,11 @@ def _bits(t):
 
 def _expected_bytes(q, full, directions):
     ref = q.quantize(full, rowwise="rowwise" in directions, columnwise="columnwise" in directions)
-    codec_fields = {d: dtq.formats.codec_for(q.for_direction(d)).fields(q.for_direction(d), d) for d in directions}
-    return {d: sum(v.numel() * v.element_size() for k, v in ref.payload(d).items() if codec_fields[d][k] is not None)
-            for d in directions}
+    codec_fields = {d: q.codec(d).fields() for d in directions}
+    return {
+        d: sum(v.numel() * v.element_size() for k, v in ref.payload(d).items() if codec_fields[d][k] is not None)
+        for d in directions
+    }
 
 
 # -- 1. gathered payloads == quantizer(full weight), bytes == the format's formula ----------------
@@ -76,16 +79,23 @@ def _check_gathers(rank, world, quantized_params):
         if "fp8" in name and "block" in name and (HIDDEN // world) % 128:
             # 128x128 blocks cannot be split across shards: docs/design.md §5.4's error, not wrong bytes
             model = _shard(_model(), mesh, True)
-            with pytest.raises(ValueError, match=r"dtq: cannot all-gather 0.fc2_weight \(shape \[256, 512\]\) as "
-                               r"fp8_block rowwise payloads over 4 FSDP ranks: each shard has 64 rows but rowwise "
-                               r"blocks span 128 rows"):
+            with pytest.raises(
+                ValueError,
+                match=r"dtq: cannot all-gather 0.fc2_weight \(shape \[256, 512\]\) as "
+                r"fp8_block rowwise payloads over 4 FSDP ranks: each shard has 64 rows but rowwise "
+                r"blocks span 128 rows",
+            ):
                 with dtq.autocast(recipe):
                     model(torch.randn(TOKENS, HIDDEN, device=_device()))
             continue
         for raf in (True, False):
             model = _model()
-            full = {f"{i}.{w}": getattr(m, w).detach().clone() for i, m in enumerate(model)
-                    if isinstance(m, dtq.nn.QuantizedModule) for w in m.weight_names()}
+            full = {
+                f"{i}.{w}": getattr(m, w).detach().clone()
+                for i, m in enumerate(model)
+                if isinstance(m, dtq.nn.QuantizedModule)
+                for w in m.weight_names()
+            }
             full = {k: (v.__dtq_unwrap__() if hasattr(v, "__dtq_unwrap__") else v).clone() for k, v in full.items()}
             if quantized_params:
                 dtq.convert(model, recipe=recipe, quantized_params=True)
@@ -96,8 +106,9 @@ def _check_gathers(rank, world, quantized_params):
             def record(outputs, meta, param_dtype, out=None):
                 res = real(outputs, meta, param_dtype, out)
                 qt = out if out is not None else res[0]
-                seen[(phase[0], meta.param_name)] = {d: {k: v.clone() for k, v in qt.payload(d).items()}
-                                                     for d in qt.directions}
+                seen[(phase[0], meta.param_name)] = {
+                    d: {k: v.clone() for k, v in qt.payload(d).items()} for d in qt.directions
+                }
                 return res
 
             fsdp_ext.post_all_gather = record
@@ -131,9 +142,12 @@ def _check_gathers(rank, world, quantized_params):
                             assert torch.equal(_bits(got["columnwise"][k]), _bits(v)), (name, m.name, w, k)
                     # bytes: each direction moves once, except one that is bitwise the other
                     moved = list(fwd_dirs)
-                    if not raf and "columnwise" in moved and ref.quantizer.for_direction("rowwise") == \
-                            ref.quantizer.for_direction("columnwise") and dtq.formats.codec_for(
-                                q.for_direction("rowwise")).identical_directions(q.for_direction("rowwise")):
+                    if (
+                        not raf
+                        and "columnwise" in moved
+                        and ref.quantizer.for_direction("rowwise") == ref.quantizer.for_direction("columnwise")
+                        and q.codec("rowwise").identical_directions()
+                    ):
                         moved.remove("columnwise")
                     for d, n in _expected_bytes(q, full[f"{i}.{w}"], moved).items():
                         key = f"{q.for_direction(d).format_name}/{d}"
@@ -206,7 +220,7 @@ def _check_training(rank, world, recipe_name, mesh_shape):
     dev = _device()
     steps, TOKENS, HIDDEN = 10, T_TOKENS, T_HIDDEN
     g = torch.Generator().manual_seed(5)
-    teacher = torch.randn(HIDDEN, HIDDEN, generator=g) / HIDDEN ** 0.5
+    teacher = torch.randn(HIDDEN, HIDDEN, generator=g) / HIDDEN**0.5
     xs = [torch.randn(world * TOKENS, HIDDEN, generator=g) for _ in range(steps)]
     ts = [torch.tanh(x @ teacher).to(dev) for x in xs]  # learnable targets: the loss must fall
     xs = [x.to(dev) for x in xs]
@@ -224,7 +238,9 @@ def _check_training(rank, world, recipe_name, mesh_shape):
     for variant in ("raf", "no_raf", "raf_recompute"):
         model = _model(hidden=T_HIDDEN, ffn=T_FFN)
         if variant == "raf_recompute":
-            model = torch.nn.Sequential(*[_Recomputed(m) if isinstance(m, dtq.nn.QuantizedModule) else m for m in model])
+            model = torch.nn.Sequential(
+                *[_Recomputed(m) if isinstance(m, dtq.nn.QuantizedModule) else m for m in model]
+            )
             for m in model:
                 if isinstance(m, _Recomputed):
                     fully_shard(m.inner, mesh=mesh, reshard_after_forward=True)
@@ -235,6 +251,7 @@ def _check_training(rank, world, recipe_name, mesh_shape):
         runs[variant] = (losses, _full_params(model))
         # gathered buffers are freed after every step: nothing grows
         from torch.distributed.fsdp import FSDPModule
+
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 group = m._get_fsdp_state()._fsdp_param_group
@@ -327,7 +344,9 @@ def _check_amax_and_mixed_precision(rank, world):
         y.float().square().mean().backward()
     assert count.calls == 0  # the gathers found the precomputed amaxes of the shards they quantize
     stats = dtq.parallel.comm_stats(reset=True)
-    n_elems = sum(getattr(m, w).numel() for m in full if isinstance(m, dtq.nn.QuantizedModule) for w in m.weight_names())
+    n_elems = sum(
+        getattr(m, w).numel() for m in full if isinstance(m, dtq.nn.QuantizedModule) for w in m.weight_names()
+    )
     assert stats == {"fp8/rowwise": n_elems, "fp8/columnwise": n_elems}
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())
 
@@ -340,7 +359,7 @@ def _check_quantized_param_training(rank, world):
     recipe = _recipes()["hybrid_mxfp8_nvfp4"]
     dev = _device()
     g = torch.Generator().manual_seed(5)
-    teacher = torch.randn(T_HIDDEN, T_HIDDEN, generator=g) / T_HIDDEN ** 0.5
+    teacher = torch.randn(T_HIDDEN, T_HIDDEN, generator=g) / T_HIDDEN**0.5
     xs = [torch.randn(world * T_TOKENS, T_HIDDEN, generator=g) for _ in range(10)]
     ts = [torch.tanh(x @ teacher).to(dev) for x in xs]
     xs = [x.to(dev) for x in xs]
@@ -398,7 +417,10 @@ def test_quantized_params_with_master_weights_2_ranks():
 
 def _check_uneven(rank, world):
     mesh = init_device_mesh(_device().type, (world,))
-    cases = [("fp8", dtq.Float8CurrentScaling()), ("mxfp8_dequantized", dtq.MXFP8BlockScaling(backward_override="dequantized"))]
+    cases = [
+        ("fp8", dtq.Float8CurrentScaling()),
+        ("mxfp8_dequantized", dtq.MXFP8BlockScaling(backward_override="dequantized")),
+    ]
     for name, recipe in cases:
         for raf in (True, False):
             torch.manual_seed(3)

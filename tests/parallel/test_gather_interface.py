@@ -19,8 +19,11 @@ def _dtq_weight_in_a_plain_module(rank, world):
     plain.weight = dtq.nn.Linear(32, 32, bias=False).weight  # a HighPrecisionWeight in a module without gemm_state
     model = torch.nn.Sequential(plain)
     fully_shard(model, mesh=mesh)
-    with pytest.raises(TypeError, match=r"FSDP2 gathers 0\.weight, a dtq weight held by Linear, which is not a dtq "
-                                        r"module .* keep dtq weights in dtq modules"):
+    with pytest.raises(
+        TypeError,
+        match=r"FSDP2 gathers 0\.weight, a dtq weight held by Linear, which is not a dtq "
+        r"module .* keep dtq weights in dtq modules",
+    ):
         model(torch.randn(4, 32))
 
 

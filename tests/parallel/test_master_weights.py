@@ -16,9 +16,14 @@ M, K = 256, 384
 
 def _quantizers():
     return [
-        dtq.Float8Quantizer(), dtq.Float8BlockQuantizer((128, 128)), dtq.Float8BlockQuantizer((1, 128)),
+        dtq.Float8Quantizer(),
+        dtq.Float8BlockQuantizer((128, 128)),
+        dtq.Float8BlockQuantizer((1, 128)),
         dtq.Float8RowwiseQuantizer(),
-        dtq.MXFP8Quantizer(), dtq.NVFP4Quantizer((16, 16)), dtq.NVFP4Quantizer(), dtq.IdentityQuantizer(torch.bfloat16),
+        dtq.MXFP8Quantizer(),
+        dtq.NVFP4Quantizer((16, 16)),
+        dtq.NVFP4Quantizer(),
+        dtq.IdentityQuantizer(torch.bfloat16),
         dtq.HybridQuantizer(rowwise=dtq.MXFP8Quantizer(), columnwise=dtq.NVFP4Quantizer((16, 16))),
         dtq.HybridQuantizer(rowwise=dtq.Float8BlockQuantizer(), columnwise=dtq.IdentityQuantizer()),
     ]
@@ -36,6 +41,7 @@ class _CountAllReduce:
         def counting(*a, **k):
             self.calls += 1
             return self.real(*a, **k)
+
         dist.all_reduce = counting
         return self
 
@@ -71,12 +77,12 @@ def _check_casts(rank, world):
     quantizers, full, masters_w = [quantizers[i] for i in whole], [full[i] for i in whole], [masters[i] for i in whole]
     shards = [q.quantize(torch.zeros(rows, K, device=dev)) for q in quantizers]
     with _CountAllReduce() as count:
-        quantize_master_weights(shards, [m[rank * rows:(rank + 1) * rows] for m in masters_w])
+        quantize_master_weights(shards, [m[rank * rows : (rank + 1) * rows] for m in masters_w])
     assert count.calls == 1
     for q, f, s in zip(quantizers, full, shards):
         for d in f.directions:
             for k, v in f.payload(d).items():
-                fields = dtq.formats.codec_for(q.for_direction(d)).fields(q.for_direction(d), d)
+                fields = q.codec(d).fields()
                 got = _gather_rows(s.payload(d)[k], world) if fields[k] is not None else s.payload(d)[k]
                 assert torch.equal(_bits(got), _bits(v)), (q, d, k)
 
@@ -125,8 +131,11 @@ def test_flat_slice_errors():
 
 def test_master_weight_optimizer_single_process():
     torch.manual_seed(0)
-    model = dtq.convert(torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)),
-                        recipe=dtq.NVFP4BlockScaling(), quantized_params=True)
+    model = dtq.convert(
+        torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)),
+        recipe=dtq.NVFP4BlockScaling(),
+        quantized_params=True,
+    )
     opt = dtq.optim.MasterWeightOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
     x, t = torch.randn(64, 64), torch.randn(64, 64)
     losses = []
@@ -145,6 +154,7 @@ def test_master_weight_optimizer_single_process():
                 assert torch.equal(_bits(p.payload(d)[k]), _bits(v))
     # state_dict round trip restores masters, optimizer state and the parameters' bits
     import copy
+
     sd = copy.deepcopy(opt.state_dict())
     before = [p.dequantize().clone() for p in opt.quantized]
     with torch.no_grad():
@@ -156,10 +166,15 @@ def test_master_weight_optimizer_single_process():
 
 def test_master_weight_optimizer_param_groups_and_live_groups_after_load():
     torch.manual_seed(0)
-    model = dtq.convert(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)),
-                        recipe=dtq.MXFP8BlockScaling(), quantized_params=True)
-    groups = [{"params": [model[0].weight, model[0].bias], "weight_decay": 0.0},
-              {"params": [model[1].weight, model[1].bias], "lr": 0.5}]
+    model = dtq.convert(
+        torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)),
+        recipe=dtq.MXFP8BlockScaling(),
+        quantized_params=True,
+    )
+    groups = [
+        {"params": [model[0].weight, model[0].bias], "weight_decay": 0.0},
+        {"params": [model[1].weight, model[1].bias], "lr": 0.5},
+    ]
     opt = dtq.optim.MasterWeightOptimizer(groups, torch.optim.AdamW, lr=1.0)
     assert len(opt.masters) == 2  # quantized parameters inside groups get FP32 masters
     assert [g["lr"] for g in opt.param_groups] == [1.0, 0.5] and opt.param_groups[0]["weight_decay"] == 0.0

@@ -17,8 +17,10 @@ from tests._recipe_matrix import RECIPES
 
 HIDDEN, TOKENS, STEPS = 128, 32, 4
 
-CASES = {**RECIPES, "fp8_delayed_most_recent": lambda: dtq.DelayedScaling(amax_history_len=4,
-                                                                          amax_compute_algo="most_recent")}
+CASES = {
+    **RECIPES,
+    "fp8_delayed_most_recent": lambda: dtq.DelayedScaling(amax_history_len=4, amax_compute_algo="most_recent"),
+}
 
 
 class Block(torch.nn.Module):
@@ -45,7 +47,7 @@ def _run(recipe, twice: bool, recompute: str | None, on_cpu: bool, device: str):
     out = []
     for step in range(STEPS):
         # inputs grow faster than the history's scales follow: stale scales would show
-        x = (torch.randn(TOKENS, HIDDEN, generator=g) * 4 ** step).to(device).requires_grad_(True)
+        x = (torch.randn(TOKENS, HIDDEN, generator=g) * 4**step).to(device).requires_grad_(True)
         saving = torch.autograd.graph.save_on_cpu() if on_cpu else contextlib.nullcontext()
         with dtq.autocast(recipe), saving:
             if recompute is None:
@@ -94,11 +96,14 @@ def test_shared_module_in_two_checkpoint_regions():
         g = torch.Generator().manual_seed(1)
         grads = []
         for step in range(STEPS):
-            x = (torch.randn(TOKENS, HIDDEN, generator=g) * 4 ** step).requires_grad_(True)
+            x = (torch.randn(TOKENS, HIDDEN, generator=g) * 4**step).requires_grad_(True)
             with dtq.autocast(recipe):
                 h = x
                 for scale in (1.0, 10.0):  # two regions, one module
-                    f = (lambda t, s=scale: lin(t * s))
+
+                    def f(t, s=scale):
+                        return lin(t * s)
+
                     h = checkpoint(f, h, use_reentrant=reentrant) if recompute else f(h)
             opt.zero_grad()
             h.square().mean().backward()

@@ -31,7 +31,7 @@ def _check(rank, world):
     ]
     g = torch.Generator().manual_seed(0)
     whole = (torch.randn(world * S, K, generator=g) * 3).bfloat16().to(_dev())
-    local = whole[rank * S:(rank + 1) * S]
+    local = whole[rank * S : (rank + 1) * S]
     for name, q, rw, cw in cases:
         dtq.parallel.comm_stats(reset=True)
         got = dtq.parallel.gather_along_first_dim(local, quantizer=q, rowwise=rw, columnwise=cw)

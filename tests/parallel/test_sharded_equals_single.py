@@ -58,7 +58,7 @@ def _model(recipe, quantized_params: bool, recompute: bool) -> torch.nn.Sequenti
 
 def _data():
     g = torch.Generator().manual_seed(7)
-    teacher = torch.randn(HIDDEN, HIDDEN, generator=g) / HIDDEN ** 0.5
+    teacher = torch.randn(HIDDEN, HIDDEN, generator=g) / HIDDEN**0.5
     xs = [torch.randn(TOKENS, HIDDEN, generator=g) * (1 + step) for step in range(STEPS)]  # growing amaxes
     return xs, [torch.tanh(x @ teacher) for x in xs]
 
@@ -149,12 +149,14 @@ def _check_fsdp_matrix(rank, world, recipe_name):
     for qp in (False, True):
         ref = _model(recipe, qp, recompute=False)
         refs[qp] = (_train(ref, recipe, qp, precompute=False), ref)
-    for qp, raf, precompute, unit, recompute in itertools.product((False, True), (True, False), (False, True),
-                                                                 ("linear", "block"), (False, True)):
+    for qp, raf, precompute, unit, recompute in itertools.product(
+        (False, True), (True, False), (False, True), ("linear", "block"), (False, True)
+    ):
         if qp and precompute:
             continue  # precompute_amax concerns high-precision shards only
-        config = dict(quantized_params=qp, reshard_after_forward=raf, precompute_amax=precompute, unit=unit,
-                      recompute=recompute)
+        config = dict(
+            quantized_params=qp, reshard_after_forward=raf, precompute_amax=precompute, unit=unit, recompute=recompute
+        )
         model = _model(recipe, qp, recompute)
         _shard(model, mesh, unit, raf)
         losses = _train(model, recipe, qp, precompute)

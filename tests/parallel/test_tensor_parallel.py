@@ -35,8 +35,9 @@ class Block(torch.nn.Module):
         super().__init__()
         self.qkv = dtq.nn.LayerNormLinear(H, 3 * H, bias=False, normalization="RMSNorm", name="qkv")
         self.proj = dtq.nn.Linear(H, H, name="proj")
-        self.mlp = dtq.nn.LayerNormMLP(H, FFN, normalization="RMSNorm", activation="swiglu", swiglu_interleave=32,
-                                       name="mlp")
+        self.mlp = dtq.nn.LayerNormMLP(
+            H, FFN, normalization="RMSNorm", activation="swiglu", swiglu_interleave=32, name="mlp"
+        )
 
     def forward(self, x):
         qkv = self.qkv(x)
@@ -49,9 +50,11 @@ class Block(torch.nn.Module):
 
 
 def _plan(sp: bool) -> dict:
-    return {"qkv": dtq.parallel.ColwiseParallel(sequence_parallel=sp),
-            "proj": dtq.parallel.RowwiseParallel(sequence_parallel=sp),
-            "mlp": dtq.parallel.LayerNormMLPParallel(sequence_parallel=sp)}
+    return {
+        "qkv": dtq.parallel.ColwiseParallel(sequence_parallel=sp),
+        "proj": dtq.parallel.RowwiseParallel(sequence_parallel=sp),
+        "mlp": dtq.parallel.LayerNormMLPParallel(sequence_parallel=sp),
+    }
 
 
 def _hybrid():
@@ -74,8 +77,9 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     local = local.__dtq_unwrap__() if hasattr(local, "__dtq_unwrap__") else local
     if local.element_size() == 1:
         local = local.view(torch.uint8)
-    return DTensor.from_local(local.detach(), t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                              stride=t.stride()).full_tensor()
+    return DTensor.from_local(
+        local.detach(), t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+    ).full_tensor()
 
 
 def _gather_seq(t: torch.Tensor) -> torch.Tensor:
@@ -108,7 +112,9 @@ def _tp_vs_single(rank, world, sp):
         dtq.parallel.comm_stats(reset=True)
         y, dx = _run(tp_model, x_local, recipe, sp, world)
         stats = dtq.parallel.comm_stats(reset=True)
-        grads = {n: (_full(p.grad), pr.grad) for (n, p), (_, pr) in zip(tp_model.named_parameters(), ref.named_parameters())}
+        grads = {
+            n: (_full(p.grad), pr.grad) for (n, p), (_, pr) in zip(tp_model.named_parameters(), ref.named_parameters())
+        }
         assert _rel(y, y_ref) < 1e-5, (name, _rel(y, y_ref))
         if recipe is None:
             hp_grads = {n: g_ref.clone() for n, (_, g_ref) in grads.items()}
@@ -127,8 +133,11 @@ def _tp_vs_single(rank, world, sp):
             # 1x16-along-M columnwise for wgrad) and the gradients of proj and fc2 (NVFP4 both ways).
             # MXFP8: 1 code byte + 1/32 scale byte per element; NVFP4: 1/2 + 1/16.
             n = S * B * H
-            assert stats == {"mxfp8/rowwise": 2 * n * 33 // 32, "nvfp4/columnwise": 4 * n * 9 // 16,
-                             "nvfp4/rowwise": 2 * n * 9 // 16}, stats
+            assert stats == {
+                "mxfp8/rowwise": 2 * n * 33 // 32,
+                "nvfp4/columnwise": 4 * n * 9 // 16,
+                "nvfp4/rowwise": 2 * n * 9 // 16,
+            }, stats
         if sp and name == "bf16":
             assert set(stats) == {"float32/fallback"}  # no recipe: high-precision gathers, counted and warned
         for p in list(ref.parameters()) + list(tp_model.parameters()):
@@ -181,7 +190,7 @@ def _fsdp_tp_train_and_save(rank, world, path):
             ref(x).float().square().mean().backward()
         opt_ref.step()
         opt_ref.zero_grad()
-        x_local = x[:, dp * B:(dp + 1) * B].chunk(2)[tp_rank]  # this dp rank's batch, this tp rank's sequence
+        x_local = x[:, dp * B : (dp + 1) * B].chunk(2)[tp_rank]  # this dp rank's batch, this tp rank's sequence
         with dtq.autocast(recipe):
             y = model(x_local)
         (y.float().square().mean() / 2).backward()  # FSDP2 averages over dp; 1/2: sequence split over tp
@@ -254,7 +263,9 @@ def _errors(rank, world):
             parallelize_module(dtq.nn.Linear(64, 64), mesh, dtq.parallel.ColwiseParallel())
     torch.set_default_device(dev)
     mlp = dtq.nn.LayerNormMLP(64, 96, activation="swiglu", name="mlp")
-    with pytest.raises(ValueError, match="'mlp' uses SwiGLU with swiglu_interleave=None.*B dividing ffn_hidden_size / 2 = 48"):
+    with pytest.raises(
+        ValueError, match="'mlp' uses SwiGLU with swiglu_interleave=None.*B dividing ffn_hidden_size / 2 = 48"
+    ):
         parallelize_module(mlp, mesh, dtq.parallel.LayerNormMLPParallel())
     with pytest.raises(ValueError, match=r"weight of shape \[9, 64\] cannot be split evenly along dim 0 over 2"):
         parallelize_module(dtq.nn.Linear(64, 9), mesh, dtq.parallel.ColwiseParallel())
@@ -264,13 +275,16 @@ def _errors(rank, world):
     with pytest.raises(ValueError, match=r"shape \[3, 4\] cannot be split evenly along dim 0 over 2 ranks"):
         dtq.parallel.tp.SplitToSP.apply(torch.randn(3, 4), mesh.get_group())
     row = parallelize_module(dtq.nn.Linear(64, 48, name="proj"), mesh, dtq.parallel.RowwiseParallel())
-    with pytest.raises(ValueError, match=r"proj.weight \(shape \[48, 64\]\) is sharded along its last dim.*"
-                                         r"Float8RowwiseQuantizer \(rowwise\) has one scale per whole row"):
+    with pytest.raises(
+        ValueError,
+        match=r"proj.weight \(shape \[48, 64\]\) is sharded along its last dim.*"
+        r"Float8RowwiseQuantizer \(rowwise\) has one scale per whole row",
+    ):
         dtq.convert(row, recipe=dtq.Float8RowwiseScaling(), quantized_params=True)
     # column-parallel shards hold whole rows: each is the slice of the whole weight's payloads
     # (the columnwise [1, K] amaxes reduced over the TP group)
     col = parallelize_module(dtq.nn.Linear(64, 48, name="qkv"), mesh, dtq.parallel.ColwiseParallel())
-    ref = dtq.Float8RowwiseQuantizer().quantize(_full(col.weight))[rank * 24:(rank + 1) * 24]
+    ref = dtq.Float8RowwiseQuantizer().quantize(_full(col.weight))[rank * 24 : (rank + 1) * 24]
     dtq.convert(col, recipe=dtq.Float8RowwiseScaling(), quantized_params=True)
     for d in ref.directions:
         for k, v in ref.payload(d).items():

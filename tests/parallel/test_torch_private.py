@@ -3,7 +3,7 @@ moves any of them, these tests fail with a message saying which one."""
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import dtq
 from dtq import _torch_private as priv
@@ -21,6 +21,14 @@ def _check_fsdp_state(rank, world):
     assert ctx.reshard_after_forward is True, "FSDPParamGroup._reshard_after_forward moved"
     assert ctx.leaf_name == "weight", f"FSDPParam._module_info.param_name moved ({ctx.leaf_name!r})"
     assert hasattr(ctx.fsdp_param, "all_gather_outputs"), "FSDPParam.all_gather_outputs moved"
+    assert priv.local_tensor(model[0].weight) is local, "DTensor._local_tensor moved"
+    assert priv.fsdp_gather_dtype(ctx.fsdp_param) is None, "FSDPParam.mp_policy.param_dtype moved"
+    group = priv.fsdp_shard_group(ctx.fsdp_param)
+    assert torch.distributed.get_world_size(group) == world, "FSDPParam.shard_mesh_from_root moved"
+    bf16 = torch.nn.Sequential(dtq.nn.Linear(64, 64, name="b"))
+    fully_shard(bf16, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    bf16_ctx = priv.gather_context(priv.local_tensor(bf16[0].weight))
+    assert priv.fsdp_gather_dtype(bf16_ctx.fsdp_param) == torch.bfloat16, "FSDPParam.mp_policy moved"
     seen = []
     real = priv.gather_context
 
@@ -31,6 +39,7 @@ def _check_fsdp_state(rank, world):
 
     priv.gather_context = spy
     import dtq.distributed.gather as ext
+
     ext.gather_context = spy
     try:
         with dtq.autocast(dtq.MXFP8BlockScaling()):

@@ -11,16 +11,47 @@ import pytest
 import torch
 
 import dtq
-import dtq.tensor as dtq_tensor
 
 try:
-    from _quantizers import (QUANTIZERS, SEED, assert_payload_equal, assert_qt_equal, bits, by_id, params,
-                             payload_rows, quantize, randn, ref_dequantize, rows_per_payload_row, shape2d,
-                             storage_ptr, sub, uses_rht, uses_sr)
+    from _quantizers import (
+        QUANTIZERS,
+        SEED,
+        assert_payload_equal,
+        assert_qt_equal,
+        bits,
+        by_id,
+        params,
+        payload_rows,
+        quantize,
+        randn,
+        ref_dequantize,
+        rows_per_payload_row,
+        shape2d,
+        storage_ptr,
+        sub,
+        uses_rht,
+        uses_sr,
+    )
 except ImportError:  # tests/ imported as a package
-    from tests._quantizers import (QUANTIZERS, SEED, assert_payload_equal, assert_qt_equal, bits, by_id, params,
-                                   payload_rows, quantize, randn, ref_dequantize, rows_per_payload_row,
-                                   shape2d, storage_ptr, sub, uses_rht, uses_sr)
+    from tests._quantizers import (
+        QUANTIZERS,
+        SEED,
+        assert_payload_equal,
+        assert_qt_equal,
+        bits,
+        by_id,
+        params,
+        payload_rows,
+        quantize,
+        randn,
+        ref_dequantize,
+        rows_per_payload_row,
+        shape2d,
+        storage_ptr,
+        sub,
+        uses_rht,
+        uses_sr,
+    )
 
 SHAPES = [pytest.param((256, 384), id="256x384"), pytest.param((4, 64, 256), id="4x64x256")]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -59,10 +90,14 @@ def _rows_per_index(shape):
 def _block_rows(q, direction):
     """dim-0 alignment from the documented payload layouts (independent of Quantizer.block_rows)."""
     s = sub(q, direction)
-    fields = {"Float8Quantizer": ("data", "scale_inv"), "Float8BlockQuantizer": ("data", "scale_inv"),
-              "Float8RowwiseQuantizer": ("data", "scale_inv"),
-              "MXFP8Quantizer": ("data", "scale"), "NVFP4Quantizer": ("data", "scale", "amax"),
-              "IdentityQuantizer": ("data",)}[type(s).__name__]
+    fields = {
+        "Float8Quantizer": ("data", "scale_inv"),
+        "Float8BlockQuantizer": ("data", "scale_inv"),
+        "Float8RowwiseQuantizer": ("data", "scale_inv"),
+        "MXFP8Quantizer": ("data", "scale"),
+        "NVFP4Quantizer": ("data", "scale", "amax"),
+        "IdentityQuantizer": ("data",),
+    }[type(s).__name__]
     return max(r or 1 for r in (rows_per_payload_row(q, direction, f) for f in fields))
 
 
@@ -329,8 +364,10 @@ def test_view_reshape_keeping_last_dim(q, shape):
     assert type(flat[:k]) is torch.Tensor and torch.equal(flat[:k], t.dequantize().reshape(-1)[:k])
 
 
-@pytest.mark.parametrize("shape,rows", [pytest.param((256, 384), (0, 40), id="256x384[0:40]"),
-                                        pytest.param((4, 64, 256), (0, 1), id="4x64x256[0:1]")])
+@pytest.mark.parametrize(
+    "shape,rows",
+    [pytest.param((256, 384), (0, 40), id="256x384[0:40]"), pytest.param((4, 64, 256), (0, 1), id="4x64x256[0:1]")],
+)
 @pytest.mark.parametrize("q", params())
 def test_misaligned_slice_falls_back_and_warns(q, shape, rows):
     t = quantize(q, randn(*shape))
@@ -381,8 +418,9 @@ def _exactly_derivable(q, target) -> bool:
     have = "rowwise" if target == "columnwise" else "columnwise"
     st, sh = sub(q, target), sub(q, have)
     if st == sh:
-        return (isinstance(st, (dtq.Float8Quantizer, dtq.IdentityQuantizer))
-                or (isinstance(st, (dtq.Float8BlockQuantizer, dtq.NVFP4Quantizer)) and st.block[0] == st.block[1]))
+        return isinstance(st, (dtq.Float8Quantizer, dtq.IdentityQuantizer)) or (
+            isinstance(st, (dtq.Float8BlockQuantizer, dtq.NVFP4Quantizer)) and st.block[0] == st.block[1]
+        )
     return isinstance(sh, dtq.IdentityQuantizer) and sh.dtype is None
 
 
@@ -435,8 +473,11 @@ def test_update_usage_builds_missing_direction(q, target):
 # update_usage has no amax= argument, so a shard cannot be completed consistently at all. FP8
 # row-wise likewise: its rowwise payload holds row scales, its columnwise direction needs the
 # column amaxes of the whole tensor.
-_SHARD_REBUILD = [p for p in QUANTIZERS if not uses_sr(p[1]) and not uses_rht(p[1])
-                  and p[0] != "hybrid_mxfp8_nvfp4" and not p[0].startswith("fp8row")]
+_SHARD_REBUILD = [
+    p
+    for p in QUANTIZERS
+    if not uses_sr(p[1]) and not uses_rht(p[1]) and p[0] != "hybrid_mxfp8_nvfp4" and not p[0].startswith("fp8row")
+]
 
 
 @pytest.mark.parametrize("q", params(_SHARD_REBUILD))
@@ -584,17 +625,29 @@ def test_dequantize_directions_differ_for_hybrid():
     q = by_id("hybrid_mxfp8_nvfp4")
     t = q.quantize(randn(256, 384))
     assert not torch.equal(t.dequantize(direction="rowwise"), t.dequantize(direction="columnwise"))
-    assert torch.equal(t.dequantize(direction="columnwise"),
-                       dtq.NVFP4Quantizer().quantize(randn(256, 384)).dequantize(direction="columnwise"))
+    assert torch.equal(
+        t.dequantize(direction="columnwise"),
+        dtq.NVFP4Quantizer().quantize(randn(256, 384)).dequantize(direction="columnwise"),
+    )
 
 
-@pytest.mark.parametrize("q", [dtq.Float8Quantizer(), dtq.Float8BlockQuantizer((128, 128)), dtq.NVFP4Quantizer((16, 16)),
-                               dtq.IdentityQuantizer()], ids=repr)
+@pytest.mark.parametrize(
+    "q",
+    [
+        dtq.Float8Quantizer(),
+        dtq.Float8BlockQuantizer((128, 128)),
+        dtq.NVFP4Quantizer((16, 16)),
+        dtq.IdentityQuantizer(),
+    ],
+    ids=repr,
+)
 def test_identical_directions_share_storage(q):
     """Formats whose two directions are bitwise equal store one payload (half the memory), and
     every copy-like op keeps it shared."""
     t = q.quantize(randn(256, 256))
     for u in (t, t.clone(), t.new_zeros((128, 256)), torch.empty_like(t), t[:128], t.detach(), t.view(-1)):
         for k in u.payload("rowwise"):
-            assert u.payload("rowwise")[k] is u.payload("columnwise")[k] or \
-                u.payload("rowwise")[k].data_ptr() == u.payload("columnwise")[k].data_ptr(), (k, u.shape)
+            assert (
+                u.payload("rowwise")[k] is u.payload("columnwise")[k]
+                or u.payload("rowwise")[k].data_ptr() == u.payload("columnwise")[k].data_ptr()
+            ), (k, u.shape)

@@ -74,9 +74,14 @@ def _expected_rows(op, before, q, kw):
     shape = tuple(rows.shape)
     if op == "copy_quantized":
         return q.quantize(randn(*shape, seed=12), **kw)  # raw payload copy
-    value = {"mul_": lambda: rows * 100, "add_": lambda: rows + 1, "copy_plain": lambda: randn(*shape, seed=11),
-             "zero_": lambda: torch.zeros(shape), "fill_": lambda: torch.full(shape, 0.5),
-             "foreach_mul_": lambda: rows * 3.0}[op]()
+    value = {
+        "mul_": lambda: rows * 100,
+        "add_": lambda: rows + 1,
+        "copy_plain": lambda: randn(*shape, seed=11),
+        "zero_": lambda: torch.zeros(shape),
+        "fill_": lambda: torch.full(shape, 0.5),
+        "foreach_mul_": lambda: rows * 3.0,
+    }[op]()
     return q.quantize(value, **kw)
 
 
@@ -90,8 +95,10 @@ def _assert_unchanged(t, snap):
 
 
 def _message(op, fmt, fields):
-    return re.escape(f"dtq: {op} cannot write into a {fmt} QuantizedTensor of shape [{B - A}, {K}]: it is a dim-0 "
-                     f"slice covering rows [{A}, {B}) of the {M} rows of a tensor whose {fields} tensor-wide")
+    return re.escape(
+        f"dtq: {op} cannot write into a {fmt} QuantizedTensor of shape [{B - A}, {K}]: it is a dim-0 "
+        f"slice covering rows [{A}, {B}) of the {M} rows of a tensor whose {fields} tensor-wide"
+    )
 
 
 # =================================================================================================
@@ -131,12 +138,22 @@ def test_partial_flag_survives_views(q, kw):
     snap = _snapshot(t)
     v = t[A:B]
     views = {
-        "detach": v.detach(), "alias": torch.ops.aten.alias(v), "view": v.view(2, 64, K), "view_flat": v.view(-1),
-        "reshape": v.reshape(-1, K), "unsafe_view": torch.ops.aten._unsafe_view(v, (2, 64, K)),
-        "as_strided": v.as_strided((B - A, K), (K, 1)), "slice_of_slice": v[32:96], "whole_slice_of_slice": v[:],
-        "split": v.split(64)[1], "chunk": v.chunk(2)[0], "narrow": v.narrow(0, 0, 64),
-        "slice_of_view": t.view(3, 128, K)[1:2], "with_directions": v.with_directions(v.directions[-1]),
-        "split_of_whole": t.split(128)[1], "chunk_of_whole": t.chunk(3)[2],
+        "detach": v.detach(),
+        "alias": torch.ops.aten.alias(v),
+        "view": v.view(2, 64, K),
+        "view_flat": v.view(-1),
+        "reshape": v.reshape(-1, K),
+        "unsafe_view": torch.ops.aten._unsafe_view(v, (2, 64, K)),
+        "as_strided": v.as_strided((B - A, K), (K, 1)),
+        "slice_of_slice": v[32:96],
+        "whole_slice_of_slice": v[:],
+        "split": v.split(64)[1],
+        "chunk": v.chunk(2)[0],
+        "narrow": v.narrow(0, 0, 64),
+        "slice_of_view": t.view(3, 128, K)[1:2],
+        "with_directions": v.with_directions(v.directions[-1]),
+        "split_of_whole": t.split(128)[1],
+        "chunk_of_whole": t.chunk(3)[2],
     }
     for name, w in views.items():
         assert type(w) is dtq.QuantizedTensor, name
@@ -156,8 +173,12 @@ def test_results_owning_payloads_are_writable(q, kw):
     snap = _snapshot(t)
     v = t[A:B]
     owned = {
-        "clone": v.clone(), "to_dtype": v.to(torch.float64), "to_copy": v.to("cpu", copy=True),
-        "empty_like": torch.empty_like(v), "zeros_like": torch.zeros_like(v), "new_zeros": v.new_zeros((B - A, K)),
+        "clone": v.clone(),
+        "to_dtype": v.to(torch.float64),
+        "to_copy": v.to("cpu", copy=True),
+        "empty_like": torch.empty_like(v),
+        "zeros_like": torch.zeros_like(v),
+        "new_zeros": v.new_zeros((B - A, K)),
         "new_empty": v.new_empty((B - A, K)),
     }
     for name, w in owned.items():
@@ -171,8 +192,11 @@ def test_results_owning_payloads_are_writable(q, kw):
         assert not w.dequantize().any(), name
     _assert_unchanged(t, snap)
     # a slice covering every row is the whole, not a partial view
-    for name, cover in {"slice_all": lambda u: u[0:M], "split_all": lambda u: u.split(M)[0],
-                        "narrow_all": lambda u: u.narrow(0, 0, M)}.items():
+    for name, cover in {
+        "slice_all": lambda u: u[0:M],
+        "split_all": lambda u: u.split(M)[0],
+        "narrow_all": lambda u: u.narrow(0, 0, M),
+    }.items():
         u = q.quantize(randn(M, K), **kw)
         before = u.dequantize().clone()
         cover(u).add_(1)
@@ -211,8 +235,9 @@ def test_copy_with_equal_tensor_wide_fields_is_allowed(q, kw):
     t[A:B].copy_(src)
     for d in t.directions:
         for a, b in ((0, A), (B, M)):
-            assert_payload_equal(payload_rows(q, d, t.payload(d), a, b), payload_rows(q, d, snap[d], a, b),
-                                 f"{d} {a}:{b}")
+            assert_payload_equal(
+                payload_rows(q, d, t.payload(d), a, b), payload_rows(q, d, snap[d], a, b), f"{d} {a}:{b}"
+            )
         assert_payload_equal(payload_rows(q, d, t.payload(d), A, B), src.payload(d), f"{d} slice")
 
 
@@ -224,9 +249,10 @@ def test_copy_into_zero_rows_is_allowed_once_they_are_not_zero_it_is_refused(q, 
     sharded = padded.narrow(0, 0, B - A)
     sharded.copy_(whole[A:B])
     for d in whole.directions:
-        assert_payload_equal(payload_rows(q, d, padded.payload(d), 0, B - A),
-                             payload_rows(q, d, whole.payload(d), A, B), d)
-    assert torch.equal(padded.dequantize()[B - A:], torch.zeros(64, K))
+        assert_payload_equal(
+            payload_rows(q, d, padded.payload(d), 0, B - A), payload_rows(q, d, whole.payload(d), A, B), d
+        )
+    assert torch.equal(padded.dequantize()[B - A :], torch.zeros(64, K))
     assert torch.equal(bits(sharded.dequantize()), bits(whole.dequantize()[A:B]))
     # the padded buffer's rows outside the shard are zeros; the shard itself is a partial view
     with pytest.raises(ValueError, match="cannot write into"):
@@ -235,8 +261,11 @@ def test_copy_into_zero_rows_is_allowed_once_they_are_not_zero_it_is_refused(q, 
     buf = torch.empty_like(whole)
     buf[0:128].copy_(q.quantize(randn(128, K, seed=3), **kw))
     snap = _snapshot(buf)
-    with pytest.raises(ValueError, match=r"copy_ cannot write into(.|\n)*A copy_ from a QuantizedTensor of the "
-                                         r"same quantizer is allowed when its tensor-wide values are bitwise"):
+    with pytest.raises(
+        ValueError,
+        match=r"copy_ cannot write into(.|\n)*A copy_ from a QuantizedTensor of the "
+        r"same quantizer is allowed when its tensor-wide values are bitwise",
+    ):
         buf[128:256].copy_(q.quantize(randn(128, K, seed=4), **kw))
     _assert_unchanged(buf, snap)
 
@@ -256,8 +285,9 @@ def test_write_into_slice_of_row_scaled_format_changes_only_its_rows(q, kw, op):
     _apply(op, v, q, kw)
     for d in t.directions:
         for a, b in ((0, A), (B, M)):
-            assert_payload_equal(payload_rows(q, d, t.payload(d), a, b), payload_rows(q, d, snap[d], a, b),
-                                 f"{d} rows {a}:{b}")
+            assert_payload_equal(
+                payload_rows(q, d, t.payload(d), a, b), payload_rows(q, d, snap[d], a, b), f"{d} rows {a}:{b}"
+            )
         assert_payload_equal(payload_rows(q, d, t.payload(d), A, B), expect.payload(d), f"{d} slice")
 
 
@@ -265,8 +295,12 @@ def test_write_into_slice_of_row_scaled_format_changes_only_its_rows(q, kw, op):
 # in-place ops on a same-size view of the whole: the [M, K] matrix is requantized
 # =================================================================================================
 
-WHOLE = [pytest.param(dtq.Float8Quantizer(), id="fp8"), pytest.param(dtq.MXFP8Quantizer(), id="mxfp8"),
-         pytest.param(dtq.NVFP4Quantizer((16, 16)), id="nvfp4_16x16"), pytest.param(HYBRID, id="hybrid_mxfp8_nvfp4")]
+WHOLE = [
+    pytest.param(dtq.Float8Quantizer(), id="fp8"),
+    pytest.param(dtq.MXFP8Quantizer(), id="mxfp8"),
+    pytest.param(dtq.NVFP4Quantizer((16, 16)), id="nvfp4_16x16"),
+    pytest.param(HYBRID, id="hybrid_mxfp8_nvfp4"),
+]
 VIEWS = {
     "view_flat": lambda t: t.view(-1),
     "view_3d": lambda t: t.view(2, 32, 128),
@@ -281,10 +315,15 @@ VIEWS = {
 def test_inplace_on_same_size_view_requantizes_the_whole(q, view):
     x = randn(64, 128)
     y = randn(64, 128, seed=9)
-    for op, change in [("add_", lambda w: w + 1), ("mul_", lambda w: w * 3), ("zero_", torch.zeros_like),
-                       ("fill_", lambda w: torch.full_like(w, -0.75)), ("copy_plain", lambda w: y),
-                       ("copy_other_quantizer", lambda w: y),
-                       ("foreach_add_", lambda w: w + 2)]:
+    for op, change in [
+        ("add_", lambda w: w + 1),
+        ("mul_", lambda w: w * 3),
+        ("zero_", torch.zeros_like),
+        ("fill_", lambda w: torch.full_like(w, -0.75)),
+        ("copy_plain", lambda w: y),
+        ("copy_other_quantizer", lambda w: y),
+        ("foreach_add_", lambda w: w + 2),
+    ]:
         t = q.quantize(x)
         before = t.dequantize().clone()
         v = VIEWS[view](t)
@@ -297,8 +336,12 @@ def test_inplace_on_same_size_view_requantizes_the_whole(q, view):
             torch._foreach_add_([v], 2.0)
             out = v
         else:
-            out = {"add_": lambda: v.add_(1), "mul_": lambda: v.mul_(3), "zero_": v.zero_,
-                   "fill_": lambda: v.fill_(-0.75)}[op]()
+            out = {
+                "add_": lambda: v.add_(1),
+                "mul_": lambda: v.mul_(3),
+                "zero_": v.zero_,
+                "fill_": lambda: v.fill_(-0.75),
+            }[op]()
         assert out is v, op
         expect = q.quantize(change(before))
         for d in t.directions:
