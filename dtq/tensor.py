@@ -302,7 +302,7 @@ class QuantizedTensor(torch.Tensor):
 
 def _no_op_table(func, args, kwargs):
     raise RuntimeError(
-        f"dtq: a QuantizedTensor met {func} before its op table was installed; `import dtq` "
+        f"dtq: a QuantizedTensor met {func} before its op table was installed; import dtq "
         "(which imports dtq.tensor_ops) before using dtq.tensor on its own"
     )
 

@@ -135,7 +135,8 @@ def _train_titan(rank, world, recipe):
         optimizers.zero_grad()
         losses.append(loss.item())
         local = w._local_tensor  # the hook reduced the new weights' amaxes (per-tensor FP8 needs them)
-        assert local._dtq_amax[0][:2] == (local._version, local._data._version)
+        key = local._amax_cache[0]  # (wrapper version, data version, quantizer, dtype): dtq.distributed.gather.amax_key
+        assert key[:2] == (local._version, dtq.weights.unwrap(local)._version)
     assert seen == [True] * 3 and losses[2] < losses[0], (seen, losses)
     return model
 
