@@ -80,7 +80,7 @@ def _layer(module: str) -> int:
         for p in prefixes:
             if (module == p or module.startswith(p + ".")) and len(p) > best:
                 best, level = len(p), i
-    assert level is not None, f"{module} is in no layer of tests/test_layering.py: add it to LAYERS"
+    assert level is not None, f"{module} is in no layer of tests/package/test_layering.py: add it to LAYERS"
     return level
 
 
