@@ -86,7 +86,7 @@ class GemmState:
         recipe = self._gather_recipe(ctx)
         if quantizer is not None:
             return GatherPlan(quantizer, self._needed_directions(ctx, recipe, have))
-        slot = self._weight_slot(ctx.leaf_name, recipe) if recipe is not None else None
+        slot = self._weight_slot(ctx, recipe) if recipe is not None else None
         hp_backward = (
             recipe is not None and recipe.backward_override == "high_precision" and ctx.training_state == "PRE_BACKWARD"
         )
@@ -95,11 +95,14 @@ class GemmState:
         delayed = functools.partial(_delayed_weight_amax, ctx, slot) if slot.history is not None else None
         return GatherPlan(slot.quantizer, self._needed_directions(ctx, recipe, have), delayed)
 
-    def _weight_slot(self, leaf: str, recipe: Recipe) -> Slot:
+    def _weight_slot(self, ctx: GatherContext, recipe: Recipe) -> Slot:
         module = self.owner() if self.owner is not None else None
         if module is None:
-            raise RuntimeError(f"dtq: FSDP2 gathers {leaf} of a dtq module that no longer exists")
-        return module.weight_slot(leaf, recipe)
+            raise RuntimeError(
+                f"dtq: FSDP2 gathers {ctx.param_name} of a dtq module that no longer exists; keep every module "
+                "that holds a sharded parameter in the model (remove modules before fully_shard, not after)"
+            )
+        return module.weight_slot(ctx.leaf_name, recipe)
 
     def _gather_recipe(self, ctx: GatherContext) -> Recipe | None:
         """The recipe a gather serves: in forward the one the module's forward resolves (FSDP2
