@@ -379,7 +379,8 @@ def as_2d(x: torch.Tensor, q: Quantizer) -> torch.Tensor:
         raise ValueError(f"{type(q).__name__} cannot quantize a 0-dim tensor; give it at least one dimension")
     if hasattr(x, "__dtq_unwrap__"):
         x = x.__dtq_unwrap__()  # a wrapper around high-precision data (dtq.parallel.HighPrecisionWeight)
-    x = x.detach()
+    if x.requires_grad:  # (a detach of anything else is an alias that costs a tensor: host time)
+        x = x.detach()
     return x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
 
 
@@ -502,14 +503,20 @@ def quantize_payloads(
     q: Quantizer, x: torch.Tensor, directions: tuple[str, ...], amax=None, seed=None
 ) -> dict[str, Payload]:
     """Payloads of ``directions`` for ``x`` (the engine behind ``Quantizer.quantize``)."""
-    x2 = as_2d(x, q)
-    xc = x2.contiguous()
-    plan = quantize_plan(q, tuple(directions), tuple(xc.shape), xc.dtype, xc.device)
+    if type(x) is torch.Tensor and x.dim() == 2 and x.is_floating_point():  # as_2d's checks, passed
+        xc = (x.detach() if x.requires_grad else x).contiguous()
+    else:
+        xc = as_2d(x, q).contiguous()
+    shape = tuple(xc.shape)
+    plan = quantize_plan(q, directions if type(directions) is tuple else tuple(directions), shape, xc.dtype, xc.device)
     return plan(
         xc,
-        _given_amaxes(q, plan, amax, tuple(xc.shape), xc.device) if amax is not None else {},
+        _given_amaxes(q, plan, amax, shape, xc.device) if amax is not None else _NO_AMAX,
         _seed(seed, x) if plan.uses_rng else None,
     )
+
+
+_NO_AMAX: dict = {}  # read only (QuantizePlan.__call__ copies before adding)
 
 
 def _seed(seed, x: torch.Tensor) -> torch.Tensor:

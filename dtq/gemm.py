@@ -132,7 +132,14 @@ class Operand:
     def __init__(self, tensor: torch.Tensor | QuantizedData, direction: str = "rowwise", transpose: bool = False):
         self.tensor, self.direction, self.transpose = tensor, direction, transpose
         self.device = tensor.device
-        if isinstance(tensor, QUANTIZED):
+        if type(tensor) is QuantizedData:  # dtq's own (the GEMM path's): its fields, without the properties
+            self.quantized = True
+            self.codec = c = tensor._quantizer.codec(direction)
+            self.quantizer = c.q
+            self.payload = tensor._payloads[direction]
+            self.shape2d = tensor._shape2d
+            self.format = c.name
+        elif isinstance(tensor, QUANTIZED):
             self.quantized = True
             self.codec = c = tensor.quantizer.codec(direction)
             self.quantizer = c.q

@@ -25,24 +25,26 @@ def flatten_saved(objs, keep: tuple = ()) -> tuple[list, list]:
     kernel or a reference filled them in."""
     flat, specs, index = [], [], {}
     for o in objs:
-        if isinstance(o, QUANTIZED) and not any(o is k for k in keep):
-            fields = []
-            for d in o.directions:
-                payload = o.payload(d)
-                for k in sorted(payload):
-                    v = payload[k]
-                    if id(v) not in index:  # identical directions share tensors: save once
-                        index[id(v)] = len(flat)
-                        flat.append(v)
-                    fields.append((d, k, index[id(v)]))
-            specs.append(("qt", tuple(o.shape), o.dtype, o.quantizer, o.shape2d, tuple(fields)))
-        elif isinstance(o, QUANTIZED):
-            specs.append(("obj", o))
-        elif o is None:
+        if o is None:
             specs.append(("none",))
-        else:
+        elif not isinstance(o, QUANTIZED):
             specs.append(("t", len(flat)))
             flat.append(o)
+        elif keep and any(o is k for k in keep):
+            specs.append(("obj", o))
+        else:
+            fields = []
+            # QuantizedData (dtq's own) read directly: this runs in every GEMM's forward
+            payloads = o._payloads if type(o) is QuantizedData else {d: o.payload(d) for d in o.directions}
+            for d, payload in payloads.items():
+                for k in sorted(payload):
+                    v = payload[k]
+                    i = index.get(id(v))
+                    if i is None:  # identical directions share tensors: save once
+                        i = index[id(v)] = len(flat)
+                        flat.append(v)
+                    fields.append((d, k, i))
+            specs.append(("qt", tuple(o.shape), o.dtype, o.quantizer, o.shape2d, tuple(fields)))
     return flat, specs
 
 
@@ -76,6 +78,7 @@ def _hp(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return unwrap(t).to(dtype)
 
 
+_unsafe_view = torch.ops.aten._unsafe_view.default
 _HP_OVERRIDE = "the recipe's backward_override uses high-precision operands in backward"
 
 
@@ -89,10 +92,6 @@ def _rows_shape(x_shape: torch.Size, rows: int, n: int) -> tuple[int, ...]:
     if inner == 0:  # an empty inner dim: no rows either way, the leading dim stays
         return (x_shape[0], *x_shape[1:-1], n)
     return (rows // inner, *x_shape[1:-1], n)
-
-
-def _real_quantize(slot: Slot, x: torch.Tensor, **kwargs) -> torch.Tensor:
-    return slot.quantize(x, **kwargs)
 
 
 def fake_quantize(slot: Slot, x: torch.Tensor, rowwise: bool, columnwise: bool, **_) -> torch.Tensor:
@@ -131,17 +130,17 @@ def linear_forward(
     bias: torch.Tensor | None,
     x_amax: torch.Tensor | None = None,
     *,
-    quantize=_real_quantize,
+    quantize=Slot.quantize,
     gemm=mm,
 ):
     """``(y, saved_x, saved_w)`` of ``y = x @ W.T + b``: x quantized by the input slot, W by the
     weight slot (unless it is a QuantizedTensor parameter already), and the operands backward
     needs. ``quantize`` / ``gemm`` are replaced by :func:`fake_quantize` / :func:`fake_mm` for
     shape inference (the compiled path), which then runs this very code."""
-    sx, sw, _ = call.slots
-    override = call.override
+    slots = call.slots
+    sx, sw, override = slots.sx, slots.sw, slots.recipe.backward_override
     wl = local_tensor(weight)
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     gather = call.group if call.tp is not None and call.tp.gathers_input else None
     bwd_cols = override is None
     if gather is not None and override == "high_precision":
@@ -180,11 +179,13 @@ def linear_forward(
         # A quantized weight parameter is kept as the object itself: under FSDP2 its payloads
         # are refilled by the backward all-gather (columnwise, or what the override needs).
         saved_w = wl
-    y = y.to(x.dtype)
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
     if call.tp is not None and call.tp.scatters_output:
         y = tp.reduce_scatter_rows(y, call.group)
     # Not a view of y (as reshape would give): FSDP2 warns about modules that return views.
-    y = torch.ops.aten._unsafe_view(y.contiguous(), _rows_shape(x.shape, y.shape[0], y.shape[-1]))
+    if x.dim() != 2 or y._is_view() or not y.is_contiguous():
+        y = _unsafe_view(y.contiguous(), _rows_shape(x.shape, y.shape[0], y.shape[-1]))
     return y, (saved_x if call.need_wgrad else None), (saved_w if call.need_dgrad else None)
 
 
@@ -200,10 +201,10 @@ def linear_backward(
 ):
     """``(dx, dw, db)`` (None where not needed) of :func:`linear_forward` from its saved operands:
     dgrad and wgrad on the payloads the recipe asks for, or the backward override's operands."""
-    _, _, sg = call.slots
+    sg = call.slots.sg
     need_dgrad, need_wgrad = call.need_dgrad, call.need_wgrad
     # contiguous: the same reduction order (bias grad) whatever layout a compiled graph hands over
-    dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
+    dy2 = (dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])).contiguous()
     scatter = call.group if call.tp is not None and call.tp.scatters_output else None
     dx = dw = db = None
     if call.override is None:
@@ -252,7 +253,8 @@ def linear_backward(
     if dx is not None:
         if call.tp is not None and call.tp.gathers_input:
             dx = tp.reduce_scatter_rows(dx, call.group)
-        dx = dx.reshape(x_shape)
+        if dx.shape != x_shape:
+            dx = dx.reshape(x_shape)
     return dx, dw, db
 
 
@@ -312,3 +314,17 @@ class DequantizeWeight(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+class WeightData(torch.autograd.Function):
+    """A :class:`dtq.weights.HighPrecisionWeight` parameter as its plain data (an alias), the gradient
+    passed to the parameter unchanged: torch's linear (outside ``dtq.autocast``) then runs the very
+    same ops on the same data, without the wrapper's Python dispatch of each of them (host time)."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor):
+        return unwrap(weight).detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad

@@ -134,17 +134,24 @@ class GemmState:
             )
         return dirs
 
-    def resolve(self, replay: bool = False, *, weight: torch.Tensor | None = None, name: str = "") -> Recipe | None:
+    def resolve(
+        self, replay: bool = False, *, weight: torch.Tensor | None = None, name: str | None = None
+    ) -> Recipe | None:
         """The recipe a forward runs under now: the innermost ``dtq.autocast``'s, else the bound
         default. A recompute (``replay``) outside autocast takes the recipe its forward recorded.
         Given the GEMM's ``weight``, a forward that resolves no recipe without the user having
-        chosen that (no autocast active) is said once: it silently computes in high precision."""
+        chosen that (no autocast active) is said once: it silently computes in high precision
+        (``name``: the module's, by default the owner's, built only then)."""
         if replay:
             return active_recipe() or self.recipe
         recipe = recipe_or(self.default_recipe)
         if recipe is None and weight is not None and not autocast_active() and not torch.compiler.is_compiling():
-            _warn_without_recipe(name, weight)
+            _warn_without_recipe(self._owner_name() if name is None else name, weight)
         return recipe
+
+    def _owner_name(self) -> str:
+        module = self.owner() if self.owner is not None else None
+        return "" if module is None else f"{type(module).__name__} {module.name!r}"
 
     def begin(self, recipe: Recipe | None, replay: bool, no_grad_trainable: bool) -> AmaxSync | None:
         """Record a forward call under ``recipe`` (a recompute records nothing: it replays the
@@ -203,6 +210,14 @@ class GemmSlots:
     @property
     def quantizers(self) -> tuple:
         return (self.sx.quantizer, self.sw.quantizer, self.sg.quantizer)
+
+    def call(self, need_dgrad: bool, need_wgrad: bool) -> GemmCall:
+        """The :class:`GemmCall` of a plain call (no recompute, amax reduction, amax link or tensor
+        parallelism), made once per gradient combination: the common call allocates nothing."""
+        calls = self.__dict__.get("_calls")
+        if calls is None:
+            calls = self._calls = tuple(GemmCall(self, d, w) for d in (False, True) for w in (False, True))
+        return calls[2 * need_dgrad + need_wgrad]
 
     def live_weight(self) -> torch.Tensor | None:
         """The module's weight parameter as it is now: under FSDP2, the unsharded parameter whose

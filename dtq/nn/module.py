@@ -11,7 +11,7 @@ from dtq._warn import warn_once
 from dtq.autocast import active_recipe
 from dtq.distributed import tp
 from dtq.nn import _ops
-from dtq.nn._linear_fn import DequantizeWeight, LinearFn
+from dtq.nn._linear_fn import DequantizeWeight, LinearFn, WeightData
 from dtq.nn.gemm_state import GemmCall, GemmHandle, GemmSlots, GemmState, template_key
 from dtq.nn.slot import Slot
 from dtq.nn.state_dict import KEY_PATH, SEP, check_weight, weight_entries, weight_meta
@@ -221,90 +221,93 @@ class QuantizedModule(torch.nn.Module):
         Under ``torch.compile`` this traces without a graph break: the GEMM is the custom op
         ``dtq::linear`` (``dtq.nn._ops``), which runs the eager code. Tensor-parallel GEMMs still
         run eagerly there, as a graph break."""
-        layout = self.gemm_state.tp  # set by dtq.parallel's TP styles
-        spec = layout.specs.get(gemm) if layout is not None else None
         in_features = local_tensor(weight).shape[-1]
         if x.shape[-1] != in_features:
+            layout = self.gemm_state.tp  # set by dtq.parallel's TP styles
+            spec = layout.specs.get(gemm) if layout is not None else None
             name = f"{type(self).__name__} {self.name!r}{self.gemm_suffixes()[gemm]}"
             raise ValueError(
                 f"{name}: input of shape {list(x.shape)} has last dim {x.shape[-1]}, but the weight "
                 f"{list(local_tensor(weight).shape)} expects {in_features} input features"
                 + (" (this rank's tensor-parallel shard)" if spec is not None else "")
             )
+        if not torch.compiler.is_compiling():
+            return self._linear_eager(x, weight, bias, gemm, x_amax, link)
+        layout = self.gemm_state.tp
+        spec = layout.specs.get(gemm) if layout is not None else None
         state = self.gemm_state
         grad = torch.is_grad_enabled()
         no_grad_trainable = not grad and weight.requires_grad
-        if torch.compiler.is_compiling():
-            recipe, recompute_only = state.resolve(), False  # autocast's, else the one dtq.convert bound
-            if active_recipe() is None and state.awaiting_recompute:
-                # A recompute runs outside dtq.autocast (dynamo cannot see that backward runs it;
-                # the op checks at run time that it is one).
-                recipe, recompute_only = state.recipe, True
-            if recipe is not None and spec is None:
-                # The slots as a template (constant) and the module as an opaque input: modules
-                # of one structure share the graph (unless the recipe's quantizers use names).
-                key = template_key(
-                    recipe.key,
-                    self.module_type,
-                    self.name if recipe.name_dependent else "",
-                    self.gemm_suffixes()[gemm],
-                    gemm,
-                )
-                outs = _ops.linear(
-                    x,
-                    weight,
-                    [],
-                    0,
-                    bias,
-                    x_amax,
-                    self._gemm_handle,
-                    key,
-                    grad and x.requires_grad,
-                    grad and weight.requires_grad,
-                    no_grad_trainable,
-                    recompute_only,
-                )
-                return outs[0]
-            if recipe is None and spec is None:
-                state.recipe = None
-                if isinstance(weight, QuantizedTensor):  # e.g. FSDP2's gather without a recipe (identity)
-                    weight = _ops.dequantize_weight(weight, [], 0, x.dtype)
-                return self._high_precision_linear(x, weight, bias, None, None)
-            return torch.compiler.disable(self._linear_eager)(x, weight, bias, gemm, x_amax, None)  # graph break
-        return self._linear_eager(x, weight, bias, gemm, x_amax, link)
+        recipe, recompute_only = state.resolve(), False  # autocast's, else the one dtq.convert bound
+        if active_recipe() is None and state.awaiting_recompute:
+            # A recompute runs outside dtq.autocast (dynamo cannot see that backward runs it;
+            # the op checks at run time that it is one).
+            recipe, recompute_only = state.recipe, True
+        if recipe is not None and spec is None:
+            # The slots as a template (constant) and the module as an opaque input: modules
+            # of one structure share the graph (unless the recipe's quantizers use names).
+            key = template_key(
+                recipe.key,
+                self.module_type,
+                self.name if recipe.name_dependent else "",
+                self.gemm_suffixes()[gemm],
+                gemm,
+            )
+            outs = _ops.linear(
+                x,
+                weight,
+                [],
+                0,
+                bias,
+                x_amax,
+                self._gemm_handle,
+                key,
+                grad and x.requires_grad,
+                grad and weight.requires_grad,
+                no_grad_trainable,
+                recompute_only,
+            )
+            return outs[0]
+        if recipe is None and spec is None:
+            state.recipe = None
+            if isinstance(weight, QuantizedTensor):  # e.g. FSDP2's gather without a recipe (identity)
+                weight = _ops.dequantize_weight(weight, [], 0, x.dtype)
+            return self._high_precision_linear(x, weight, bias, None, None)
+        return torch.compiler.disable(self._linear_eager)(x, weight, bias, gemm, x_amax, None)  # graph break
 
     def _linear_eager(self, x, weight, bias, gemm, x_amax, link) -> torch.Tensor:
-        layout = self.gemm_state.tp
-        spec = layout.specs.get(gemm) if layout is not None else None
-        group = layout.mesh.get_group() if spec is not None else None
         state = self.gemm_state
+        layout = state.tp
+        spec = layout.specs.get(gemm) if layout is not None else None
         replay = in_backward()  # a forward run by backward is a recompute (torch.utils.checkpoint)
         # autocast's recipe, else the one dtq.convert bound; a recompute runs under its forward's
-        recipe = state.resolve(replay, weight=weight, name=f"{type(self).__name__} {self.name!r}")
-        sync = state.begin(recipe, replay, not torch.is_grad_enabled() and weight.requires_grad)
+        recipe = state.resolve(replay, weight=weight)
+        grad = torch.is_grad_enabled()
+        sync = state.begin(recipe, replay, not grad and weight.requires_grad)
+        if spec is None:  # (the common case, kept lean: host time)
+            if recipe is None:
+                if type(weight) is HighPrecisionWeight:  # torch's ops on its data: no wrapper dispatch per op
+                    weight = WeightData.apply(weight)
+                return self._high_precision_linear(x, weight, bias, None, None)
+            slots = self._slots(recipe, gemm)
+            self._check_stored_quantizer(weight, slots)
+            need_dgrad, need_wgrad = grad and x.requires_grad, grad and weight.requires_grad
+            if replay or sync is not None or link is not None:
+                call = GemmCall(slots, need_dgrad, need_wgrad, replay, sync, link)
+            else:
+                call = slots.call(need_dgrad, need_wgrad)
+            return LinearFn.apply(x, weight, bias, x_amax, call)
+        group = layout.mesh.get_group()
         row_bias = None
-        if spec is not None:
-            if spec.kind == "column" and not spec.sequence_parallel:
-                x = tp.CopyToTP.apply(x, group)  # replicated input: dx sums over the group
-            if spec.kind == "row":
-                bias, row_bias = None, bias  # added once, after the partial outputs are summed
+        if spec.kind == "column" and not spec.sequence_parallel:
+            x = tp.CopyToTP.apply(x, group)  # replicated input: dx sums over the group
+        if spec.kind == "row":
+            bias, row_bias = None, bias  # added once, after the partial outputs are summed
         if recipe is None:
             y = self._high_precision_linear(x, weight, bias, spec, group)
         else:
             slots = self._slots(recipe, gemm)
-            w_local = local_tensor(weight)
-            if (
-                isinstance(w_local, QuantizedTensor)
-                and slots.sw.quantizer is not None
-                and w_local.quantizer != slots.sw.quantizer
-            ):
-                warn_once(
-                    f"qparam-recipe:{id(self)}",
-                    f"dtq: {slots.name} holds a weight quantized as "
-                    f"{w_local.quantizer!r}; it is used as stored, not requantized to the recipe's "
-                    f"{slots.sw.quantizer!r}",
-                )
-            grad = torch.is_grad_enabled()
+            self._check_stored_quantizer(weight, slots)
             call = GemmCall(
                 slots,
                 grad and x.requires_grad,
@@ -316,12 +319,27 @@ class QuantizedModule(torch.nn.Module):
                 group=group,
             )
             y = LinearFn.apply(x, weight, bias, x_amax, call)
-        if spec is not None and spec.kind == "row":
+        if spec.kind == "row":
             if not spec.sequence_parallel:
                 y = tp.ReduceFromTP.apply(y, group)
             if row_bias is not None:
                 y = y + tp.local_param(row_bias, group if spec.sequence_parallel else None).to(y.dtype)
         return y
+
+    def _check_stored_quantizer(self, weight: torch.Tensor, slots: GemmSlots) -> None:
+        """A quantized weight parameter is used as stored: said once where the recipe would quantize it otherwise."""
+        w_local = local_tensor(weight)
+        if (
+            isinstance(w_local, QuantizedTensor)
+            and slots.sw.quantizer is not None
+            and w_local.quantizer != slots.sw.quantizer
+        ):
+            warn_once(
+                f"qparam-recipe:{id(self)}",
+                f"dtq: {slots.name} holds a weight quantized as "
+                f"{w_local.quantizer!r}; it is used as stored, not requantized to the recipe's "
+                f"{slots.sw.quantizer!r}",
+            )
 
     @staticmethod
     def _high_precision_linear(x, weight, bias, spec, group):
