@@ -22,6 +22,7 @@ Conventions shared by every codec:
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -412,6 +413,7 @@ class QuantizePlan:
         "launch",
         "reference",
         "torch_amax",
+        "derived",
     )
 
     def __init__(
@@ -423,6 +425,10 @@ class QuantizePlan:
         device: torch.device,
     ):
         self.q = q
+        self.derived = None
+        if COLUMNWISE in directions and q.columnwise_from_rowwise():
+            self._plan_derived(directions, shape, dtype, device)
+            return
         self.codecs = {d: q.codec(d) for d in directions}
         for c in self.codecs.values():
             c.check_shape(shape)  # raises on every call with a bad shape: never cached
@@ -445,9 +451,40 @@ class QuantizePlan:
                     # per-column amaxes of T x: no kernel pass computes them; the reference's ops do
                     self.torch_amax = tuple(d for d, s in specs.items() if s.amax_vector and s.amax_space == "hadamard")
 
+    def _plan_derived(self, directions, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> None:
+        """A hybrid whose columnwise payload is quantized from the dequantized rowwise one: the
+        rowwise plan runs whatever is asked (its amax is needed either way), then the columnwise
+        plan on its fp32 values. ``own`` lists both directions, so both amaxes are taken if given."""
+        q = self.q
+        rq, cq = q.for_direction(ROWWISE), q.for_direction(COLUMNWISE)
+        self.codecs = {ROWWISE: q.codec(ROWWISE), COLUMNWISE: q.codec(COLUMNWISE)}
+        self.derived = (
+            quantize_plan(rq, (ROWWISE,), shape, dtype, device),
+            quantize_plan(cq, (COLUMNWISE,), shape, torch.float32, device),
+            ROWWISE in directions,
+        )
+        self.twins, self.own = {}, DIRECTIONS
+        self.uses_rng = any(c.uses_rng() for c in self.codecs.values())
+        self.needs_amax = {d: c.needs_amax() for d, c in self.codecs.items()}
+        spaces = {
+            ROWWISE: self.codecs[ROWWISE].amax_space(),
+            COLUMNWISE: f"dequantized {ROWWISE} " + cq.codec(COLUMNWISE).amax_space(),
+        }
+        self.amax_spaces = frozenset(spaces[d] for d in DIRECTIONS if self.needs_amax[d])
+        self.launch, self.reference, self.torch_amax = None, (), ()
+
+    def _call_derived(self, xc: torch.Tensor, given: dict[str, torch.Tensor], seed) -> dict[str, Payload]:
+        rows, cols, keep_rows = self.derived
+        row = rows(xc, {ROWWISE: given[ROWWISE]} if ROWWISE in given else {}, seed)[ROWWISE]
+        y = self.codecs[ROWWISE].dequantize(row, tuple(xc.shape))
+        col = cols(y.contiguous(), {COLUMNWISE: given[COLUMNWISE]} if COLUMNWISE in given else {}, seed)
+        return {ROWWISE: row, COLUMNWISE: col[COLUMNWISE]} if keep_rows else col
+
     def __call__(self, xc: torch.Tensor, given: dict[str, torch.Tensor], seed) -> dict[str, Payload]:
         """Payloads of the contiguous [M, K] ``xc``; ``given``: amaxes of own directions (checked
         shapes, fp32 on xc's device), ``seed``: a tensor when ``uses_rng``."""
+        if self.derived is not None:
+            return self._call_derived(xc, given, seed)
         out, reference = {}, self.reference
         if self.launch is not None:
             for d in self.torch_amax:
@@ -466,6 +503,40 @@ class QuantizePlan:
         if self.twins:
             return {d: dict(out[self.twins[d]]) if d in self.twins else out[d] for d in self.codecs}
         return out if len(out) == 1 or self.own == tuple(out) else {d: out[d] for d in self.own}
+
+
+def columnwise_from_rowwise(
+    q: Quantizer, rowwise: Payload, shape: tuple[int, int], amax: torch.Tensor | None = None
+) -> Payload:
+    """The columnwise payload of a ``columnwise_from_rowwise`` hybrid ``q``, computed from its
+    rowwise payload of a [M, K] tensor: bitwise what quantizing that tensor gives when the payload
+    holds all of it (or when ``amax``, the columnwise amax of the whole, is given). Gathers that
+    move only rowwise payloads derive the other direction with this."""
+    y = q.codec(ROWWISE).dequantize(rowwise, shape)
+    c = q.for_direction(COLUMNWISE)
+    return quantize_payloads(c, y, (COLUMNWISE,), amax=None if amax is None else {COLUMNWISE: amax})[COLUMNWISE]
+
+
+@functools.lru_cache(maxsize=4096)
+def row_bytes(q: Quantizer, direction: str, shape: tuple[int, int]) -> int:
+    """Bytes of the row-structured payload fields of one direction of a [M, K] tensor (what a
+    gather moves; per-tensor fields are reduced, not gathered)."""
+    codec = q.codec(direction)
+    fields = codec.fields()
+    empty = codec.empty(shape, torch.device("meta"), torch.float32)
+    return sum(v.numel() * v.element_size() for k, v in empty.items() if fields[k] is not None)
+
+
+def split_derived(q: Quantizer, directions: tuple[str, ...], shape: tuple[int, int]) -> tuple[tuple, tuple]:
+    """``(moved, derived)``: which of ``directions`` a gather of a [M, K] shard moves, and which it
+    derives from the moved ones afterwards. Only a ``columnwise_from_rowwise`` hybrid's columnwise
+    payload is derived: always when the rowwise payload moves anyway, else when the rowwise
+    payload is no larger than the columnwise one (the unsharded tensor then holds both)."""
+    if COLUMNWISE not in directions or not q.columnwise_from_rowwise():
+        return directions, ()
+    if ROWWISE in directions or row_bytes(q, ROWWISE, shape) <= row_bytes(q, COLUMNWISE, shape):
+        return (ROWWISE,), (COLUMNWISE,)
+    return directions, ()
 
 
 def _warn_reference(q: Quantizer) -> None:

@@ -121,17 +121,18 @@ def _quantize_weight(q, w: torch.Tensor, columnwise: bool, name: str) -> torch.T
 def _quantize_sharded(q, w: torch.Tensor, columnwise: bool, name: str) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
-    from dtq.distributed.amax import check_column_shards, sharded_dims
-    from dtq.distributed.tp import reduce_amax
+    from dtq.distributed.amax import check_column_shards, reduce_over_shards, sharded_amax, sharded_dims
 
     check_column_shards(q, w, name)
     local = local_data(w)
-    amax = q.local_amax(local, rowwise=True, columnwise=columnwise)
-    for mesh_dim, dim in sharded_dims(w):
-        if amax:
-            amax = reduce_amax(
-                q, local, w.device_mesh.get_group(mesh_dim), rowwise=True, columnwise=columnwise, amax=amax, dim=dim
-            )
+    shards = [(w.device_mesh.get_group(mesh_dim), dim) for mesh_dim, dim in sharded_dims(w)]
+
+    def reduce(amax: dict) -> dict:
+        for group, dim in shards:
+            amax = reduce_over_shards(amax, group, dim)
+        return amax
+
+    amax = sharded_amax(q, local, reduce, rowwise=True, columnwise=columnwise)
     qt = q.quantize(local, rowwise=True, columnwise=columnwise, amax=amax or None)
     return DTensor.from_local(qt, w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride())
 

@@ -32,6 +32,11 @@ PRESETS: Mapping[str, Callable[[], Recipe]] = MappingProxyType(
         # MXFP8 for the forward GEMM, NVFP4 (16x16 weights, stochastic rounding on gradients, random
         # Hadamard on the wgrad operands) for the backward GEMMs.
         "hybrid": lambda: hybrid_recipe(MXFP8BlockScaling(), NVFP4BlockScaling()),
+        # The same, with each weight's columnwise (dgrad) payload quantized from its dequantized
+        # MXFP8 rowwise payload: backward sees the weight forward saw.
+        "hybrid-rd": lambda: hybrid_recipe(
+            MXFP8BlockScaling(), NVFP4BlockScaling(), weight_columnwise_source="rowwise_dequantized"
+        ),
         # Per-tensor FP8 forward, NVFP4 backward.
         "hybrid-fp8-nvfp4": lambda: hybrid_recipe(Float8CurrentScaling(), NVFP4BlockScaling()),
         # MXFP8 forward, FP8 1x128 / 128x128 blocks backward.

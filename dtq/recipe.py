@@ -15,6 +15,7 @@ import torch
 
 from dtq.codec import quantizer_names
 from dtq.formats import (
+    COLUMNWISE_SOURCES,
     Float8BlockQuantizer,
     Float8Quantizer,
     Float8RowwiseQuantizer,
@@ -118,6 +119,12 @@ class Recipe:
                 f"{type(self).__name__}: the quantizer factory returned {type(q).__name__} for {role}; "
                 f"it must return a dtq quantizer ({quantizer_names()}, HybridQuantizer) or None for high "
                 "precision"
+            )
+        if q is not None and role.tensor_type == "grad_output" and q.columnwise_from_rowwise():
+            raise ValueError(
+                f"{type(self).__name__}: the quantizer factory returned {q!r} for {role}: a gradient's columnwise "
+                "payload (wgrad) must come from the gradient itself, not from its quantized rowwise copy. Use "
+                "columnwise_source='rowwise_dequantized' for weights (and inputs) only"
             )
         return q
 
@@ -284,14 +291,22 @@ class NVFP4BlockScaling(Recipe):
 class HybridRecipe(Recipe):
     """Inputs and weights quantized rowwise as ``rowwise`` says and columnwise as ``columnwise``
     says; gradients as ``grad`` (default: ``columnwise``). A slot one side keeps in high precision
-    gets an ``IdentityQuantizer`` for that direction."""
+    gets an ``IdentityQuantizer`` for that direction. ``weight_columnwise_source="rowwise_dequantized"``
+    quantizes each weight's columnwise payload from its dequantized rowwise one (``HybridQuantizer``'s
+    ``columnwise_source``), so dgrad sees the weight fprop saw; inputs keep ``"original"``."""
 
     rowwise: Recipe
     columnwise: Recipe
     grad: Recipe | None = None
+    weight_columnwise_source: str = "original"
 
     def __post_init__(self):
         super().__post_init__()
+        if self.weight_columnwise_source not in COLUMNWISE_SOURCES:
+            raise ValueError(
+                f"HybridRecipe: weight_columnwise_source={self.weight_columnwise_source!r}; use one of "
+                f"{', '.join(map(repr, COLUMNWISE_SOURCES))}"
+            )
         for part in ("rowwise", "columnwise", "grad"):
             r = getattr(self, part)
             if r is None:
@@ -324,9 +339,14 @@ class HybridRecipe(Recipe):
         return HybridQuantizer(
             rowwise=r.for_direction("rowwise") if r is not None else IdentityQuantizer(),
             columnwise=c.for_direction("columnwise") if c is not None else IdentityQuantizer(),
+            columnwise_source=self.weight_columnwise_source if role.tensor_type == "weight" else "original",
         )
 
 
-def hybrid_recipe(rowwise: Recipe, columnwise: Recipe, grad: Recipe | None = None) -> HybridRecipe:
+def hybrid_recipe(
+    rowwise: Recipe, columnwise: Recipe, grad: Recipe | None = None, weight_columnwise_source: str = "original"
+) -> HybridRecipe:
     """Shorthand for :class:`HybridRecipe`."""
-    return HybridRecipe(rowwise=rowwise, columnwise=columnwise, grad=grad)
+    return HybridRecipe(
+        rowwise=rowwise, columnwise=columnwise, grad=grad, weight_columnwise_source=weight_columnwise_source
+    )

@@ -23,13 +23,17 @@ def _grad(role: QuantizerRole) -> bool:
 
 def mxfp8_fwd_nvfp4_bwd(role: QuantizerRole) -> Quantizer:
     """MXFP8 forward, NVFP4 backward: inputs and weights MXFP8 rowwise; columnwise NVFP4 1x16
-    (the weight's plain, for dgrad; the input's with the random Hadamard, for wgrad); gradients
-    NVFP4 with stochastic rounding and the random Hadamard on their wgrad (columnwise) payload."""
+    (the weight's plain, quantized from its dequantized MXFP8 rowwise payload so that dgrad sees
+    the weight fprop saw; the input's from the input, with the random Hadamard, for wgrad);
+    gradients NVFP4 with stochastic rounding and the random Hadamard on their wgrad (columnwise)
+    payload."""
     if _grad(role):
         return NVFP4Quantizer(stochastic_rounding=True, random_hadamard=True)
-    return HybridQuantizer(
-        rowwise=MXFP8Quantizer(), columnwise=NVFP4Quantizer(random_hadamard=role.tensor_type == "input")
-    )
+    if role.tensor_type == "weight":
+        return HybridQuantizer(
+            rowwise=MXFP8Quantizer(), columnwise=NVFP4Quantizer(), columnwise_source="rowwise_dequantized"
+        )
+    return HybridQuantizer(rowwise=MXFP8Quantizer(), columnwise=NVFP4Quantizer(random_hadamard=True))
 
 
 def nvfp4_1d_weight(role: QuantizerRole) -> Quantizer:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -34,6 +34,7 @@ from dtq.codec import (
     Payload,
     QuantizedData,
     check_direction,
+    columnwise_from_rowwise,
     dequantize_payload,
     quantize_payloads,
     shape_2d,
@@ -157,7 +158,9 @@ class QuantizedTensor(torch.Tensor):
         """Drop directions (False) or build missing ones (True); None leaves a direction as it is.
 
         A missing direction is built, in this order of preference: exactly from a payload already
-        held (same codes under one scale, 2-D blocks); from ``source`` (the high-precision tensor),
+        held (same codes under one scale, 2-D blocks; a ``columnwise_source="rowwise_dequantized"``
+        hybrid's columnwise payload from its rowwise one, with ``amax`` (the columnwise amax of the
+        whole tensor, for a shard) if given); from ``source`` (the high-precision tensor),
         with ``amax`` if given, else a tensor-wide amax already held for that same value (so a
         shard quantized with a global amax stays consistent), else ``source``'s own amax; from a
         lossless passthrough direction. Otherwise it raises, since requantizing dequantized values
@@ -191,6 +194,9 @@ class QuantizedTensor(torch.Tensor):
         )
 
     def _build(self, d: str, source: torch.Tensor | None, amax) -> Payload:
+        if d == COLUMNWISE and ROWWISE in self._payloads and self._quantizer.columnwise_from_rowwise():
+            a = amax.get(COLUMNWISE) if isinstance(amax, Mapping) else amax
+            return columnwise_from_rowwise(self._quantizer, self._payloads[ROWWISE], self._shape2d, a)
         codec = self._quantizer.codec(d)
         same = [(have, p) for have, p in self._payloads.items() if self._quantizer.for_direction(have) == codec.q]
         for have, payload in same:

@@ -9,14 +9,14 @@ a column's amax is then whole on the rank that has the column.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from dtq import _torch_private
-from dtq.codec import DIRECTIONS
+from dtq.codec import DIRECTIONS, ROWWISE
 
 if TYPE_CHECKING:
     from dtq.formats import Quantizer
@@ -94,6 +94,49 @@ def reduce_over_shards(amax: dict, group, dim: int = 0) -> dict:
     reduced to the whole tensor's values."""
     keys = [d for d, a in amax.items() if dim == 0 or a.dim() == 0]
     return {**amax, **dict(zip(keys, all_reduce_max([amax[d] for d in keys], group)))}
+
+
+def sharded_amax(
+    quantizer: Quantizer,
+    x: torch.Tensor,
+    reduce: Callable[[dict], dict],
+    *,
+    rowwise: bool = True,
+    columnwise: bool = True,
+) -> dict:
+    """The amaxes that make shard ``x`` quantize as the slice of the whole tensor: the local ones
+    MAX-reduced by ``reduce`` (``{direction: local} -> {direction: global}``), in a second round
+    for a direction whose amax needs another's reduced first (``Quantizer.deferred_amax``: a
+    hybrid whose columnwise payload is quantized from its rowwise one)."""
+    amax = quantizer.local_amax(x, rowwise=rowwise, columnwise=columnwise)
+    if amax:
+        amax = reduce(amax)
+    for d in quantizer.deferred_amax(rowwise, columnwise):
+        later = quantizer.local_amax(x, rowwise=False, columnwise=True, rowwise_amax=amax[ROWWISE])
+        amax = {**amax, d: reduce({d: later[d]})[d]}
+    return amax
+
+
+def sharded_amaxes(
+    items: Sequence[tuple[Quantizer, torch.Tensor, bool, bool]],
+    reduce: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+    local: Sequence[dict] | None = None,
+) -> list[dict]:
+    """:func:`sharded_amax` of many ``(quantizer, shard, rowwise, columnwise)`` at once, with one
+    ``reduce`` of all their values per round (a second only if some quantizer defers an amax).
+    ``local``: the items' ``local_amax`` results where the caller has them already."""
+    out = local if local is not None else [q.local_amax(x, rowwise=r, columnwise=c) for q, x, r, c in items]
+    reduced = iter(reduce([a for amax in out for a in amax.values()]))
+    out = [{d: next(reduced) for d in amax} for amax in out]
+    later = [
+        (i, d, q.local_amax(x, rowwise=False, columnwise=True, rowwise_amax=out[i][ROWWISE])[d])
+        for i, (q, x, r, c) in enumerate(items)
+        for d in q.deferred_amax(r, c)
+    ]
+    if later:
+        for (i, d, _), a in zip(later, reduce([a for *_, a in later])):
+            out[i][d] = a
+    return out
 
 
 def sharded_dim(tensor_dim: int, ndim: int) -> int:

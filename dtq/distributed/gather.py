@@ -30,9 +30,18 @@ import torch
 from dtq._bits import as_bytes
 from dtq._torch_private import GatherContext, gather_context, resize_gather_buffers
 from dtq._warn import warn_once
-from dtq.codec import COLUMNWISE, DIRECTIONS, ROWWISE, quantize_payloads, shape_2d
+from dtq.codec import (
+    COLUMNWISE,
+    DIRECTIONS,
+    ROWWISE,
+    columnwise_from_rowwise,
+    quantize_payloads,
+    row_bytes,
+    shape_2d,
+    split_derived,
+)
 from dtq.distributed import comm
-from dtq.distributed.amax import reduce_over_shards
+from dtq.distributed.amax import reduce_over_shards, sharded_amax
 from dtq.distributed.world import check_launched_world
 
 if TYPE_CHECKING:
@@ -68,6 +77,7 @@ class _GatherMeta:
     param_name: str
     packed: tuple | None = None  # (world, [(dtype, padded shard shape, rows per entry)]) when packed
     dtypes: tuple = ()  # each unpacked input's payload dtype (1-byte floats travel as uint8)
+    derived: tuple = ()  # directions computed from the gathered ones (``split_derived``), not moved
 
 
 def _check_supported(ctx: GatherContext) -> None:
@@ -177,7 +187,9 @@ def gathered_payloads(outputs, meta: _GatherMeta) -> dict[str, dict]:
         payloads[d][field] = t
     for d, src in meta.aliases.items():
         payloads[d] = dict(payloads[src])
-    return payloads
+    for d in meta.derived:  # the whole tensor's rows are here: bitwise what quantizing the whole gives
+        payloads[d] = columnwise_from_rowwise(meta.quantizer, payloads[ROWWISE], shape_2d(meta.full_shape))
+    return {d: payloads[d] for d in DIRECTIONS if d in payloads}
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -188,7 +200,7 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
-def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, fallback: bool = False):
+def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, fallback: bool = False, derived=()):
     aliases = quantizer.aliases(tuple(dirs))
     moved = tuple(d for d in dirs if d not in aliases)
     inputs, layout, shared = _split(quantizer, payloads, moved)
@@ -227,8 +239,11 @@ def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, fa
         )
     else:
         _record(quantizer, layout, fields, world, sum(t.numel() * t.element_size() for t in inputs) * world)
+    shard2d = (_padded_rows(full_shape, world) * _rows_per_index(full_shape), shape_2d(full_shape)[1])
+    for d in derived:
+        comm.record(quantizer.for_direction(d).format_name, f"{d}_derived", row_bytes(quantizer, d, shard2d) * world)
     return tuple(inputs), _GatherMeta(
-        quantizer, dirs, layout, shared, torch.Size(full_shape), aliases, ctx.param_name, packed, dtypes
+        quantizer, dirs, layout, shared, torch.Size(full_shape), aliases, ctx.param_name, packed, dtypes, derived
     )
 
 
@@ -243,15 +258,17 @@ def high_precision_pre_all_gather(weight: torch.Tensor, data: torch.Tensor, mesh
     shard = data.detach().to(param_dtype)
     plan = _planner(module, ctx).gather_plan(ctx, None, DIRECTIONS)
     quantizer, dirs, fallback = plan.quantizer, plan.directions, plan.fallback
+    derived = ()
     if fallback:
         payloads = quantize_payloads(quantizer, shard, dirs)
     else:
         _check_alignment(ctx, quantizer, dirs, outer_size, world)
+        dirs, derived = split_derived(quantizer, dirs, shape_2d(shard.shape))
         amax = _global_amax(weight, data, quantizer, shard, mesh, ctx.param_name, dirs)
         if plan.weight_amax is not None:
             amax = plan.weight_amax(amax)
         payloads = quantize_payloads(quantizer, shard, dirs, amax=amax)
-    return _finish(ctx, quantizer, dirs, payloads, outer_size, world, fallback)
+    return _finish(ctx, quantizer, dirs, payloads, outer_size, world, fallback, derived)
 
 
 def quantized_pre_all_gather(weight: torch.Tensor, quantizer: Quantizer, payloads: dict, mesh, outer_size, module):
@@ -263,7 +280,10 @@ def quantized_pre_all_gather(weight: torch.Tensor, quantizer: Quantizer, payload
     world = mesh.size()
     dirs = _planner(module, ctx).gather_plan(ctx, quantizer, tuple(payloads)).directions
     _check_alignment(ctx, quantizer, dirs, outer_size, world)
-    return _finish(ctx, quantizer, dirs, {d: payloads[d] for d in dirs}, outer_size, world)
+    derived = ()
+    if ROWWISE in payloads:  # a rowwise_dequantized hybrid's columnwise payload: moved or derived, by bytes
+        dirs, derived = split_derived(quantizer, dirs, shape_2d(weight.shape))
+    return _finish(ctx, quantizer, dirs, {d: payloads[d] for d in dirs}, outer_size, world, derived=derived)
 
 
 def _planner(module, ctx: GatherContext) -> GatherPlanner:
@@ -285,24 +305,37 @@ def amax_key(weight: torch.Tensor, data: torch.Tensor, quantizer: Quantizer, dty
     return (weight._version, data._version, quantizer, dtype)
 
 
+def _amax_directions(quantizer: Quantizer, dirs) -> set[str]:
+    """The directions whose amax quantizing ``dirs`` takes (a columnwise payload quantized from the
+    rowwise one takes the rowwise amax too)."""
+    need = {d for d in dirs if quantizer.codec(d).needs_amax()}
+    if COLUMNWISE in dirs and quantizer.columnwise_from_rowwise() and quantizer.codec(ROWWISE).needs_amax():
+        need.add(ROWWISE)
+    return need
+
+
 def _global_amax(
     local: torch.Tensor, data: torch.Tensor, quantizer: Quantizer, shard: torch.Tensor, mesh, name: str, dirs
 ):
     key = amax_key(local, data, quantizer, shard.dtype)
     cached = local.cached_amax(key)
-    if cached is not None and set(dirs) <= set(cached) | {d for d in dirs if not quantizer.codec(d).needs_amax()}:
+    if cached is not None and _amax_directions(quantizer, dirs) <= set(cached):
         return cached
-    try:  # both directions at once, so the backward gather reuses this reduction
-        amax = quantizer.local_amax(shard)
-    except ValueError:  # a direction this shard cannot hold (it is not gathered either)
-        amax = quantizer.local_amax(shard, rowwise=ROWWISE in dirs, columnwise=COLUMNWISE in dirs)
-    if amax and mesh.size() > 1:
+
+    def reduce(amax: dict) -> dict:
+        if mesh.size() == 1:
+            return amax
         warn_once(
             "fsdp-amax-on-the-fly",
             f"dtq: reducing the amax of {name} (and of every parameter like it) in its own all-reduce during "
             "the FSDP2 all-gather; call dtq.parallel.precompute_amax(model) after optimizer.step() to do "
             "all of them in one batched all-reduce",
         )
-        amax = reduce_over_shards(amax, mesh.get_group())
+        return reduce_over_shards(amax, mesh.get_group())
+
+    try:  # both directions at once, so the backward gather reuses this reduction
+        amax = sharded_amax(quantizer, shard, reduce)
+    except ValueError:  # a direction this shard cannot hold (it is not gathered either)
+        amax = sharded_amax(quantizer, shard, reduce, rowwise=ROWWISE in dirs, columnwise=COLUMNWISE in dirs)
     local.remember_amax(key, amax)
     return amax

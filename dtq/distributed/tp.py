@@ -13,7 +13,16 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from dtq.codec import COLUMNWISE, ROWWISE, QuantizedData, quantize_payloads, shape_2d
+from dtq.codec import (
+    COLUMNWISE,
+    ROWWISE,
+    QuantizedData,
+    columnwise_from_rowwise,
+    quantize_payloads,
+    row_bytes,
+    shape_2d,
+    split_derived,
+)
 from dtq.distributed import amax as amax_lib
 from dtq.distributed import comm
 
@@ -215,17 +224,18 @@ def gather_along_first_dim(
                 f"{list(x.shape)}, but {quantizer.for_direction(d).format_name} {d} blocks span {need} "
                 f"rows; use a sequence length per rank that is a multiple of {need}"
             )
-    if amax is None:
-        amax = reduce_amax(quantizer, x, group, rowwise=rowwise, columnwise=columnwise)
-    aliases = quantizer.aliases(dirs)
-    q_bytes = sum(_row_bytes(quantizer, d, shape_2d(x.shape)) * world for d in dirs if d not in aliases)
+    moved, derived = split_derived(quantizer, dirs, shape_2d(x.shape))
+    aliases = quantizer.aliases(moved)
+    q_bytes = sum(row_bytes(quantizer, d, shape_2d(x.shape)) * world for d in moved if d not in aliases)
     full_shape = (x.shape[0] * world, *x.shape[1:])
-    if q_bytes > hp_bytes:  # the cheaper correct representation
+    if q_bytes > hp_bytes:  # the cheaper correct representation (the whole's own amax is the global one)
         whole = gather_rows(x, group)
-        return quantizer.quantize_data(whole, rowwise=rowwise, columnwise=columnwise, amax=amax or None)
-    payloads = quantize_payloads(quantizer, x, dirs, amax=amax or None, seed=_shard_seed(quantizer, dirs, x, group))
+        return quantizer.quantize_data(whole, rowwise=rowwise, columnwise=columnwise, amax=amax)
+    if amax is None:
+        amax = reduce_amax(quantizer, x, group, rowwise=ROWWISE in moved, columnwise=COLUMNWISE in moved)
+    payloads = quantize_payloads(quantizer, x, moved, amax=amax or None, seed=_shard_seed(quantizer, moved, x, group))
     gathered: dict = {}
-    for d in dirs:
+    for d in moved:
         if d in aliases:
             gathered[d] = dict(gathered[aliases[d]])
             continue
@@ -236,6 +246,11 @@ def gather_along_first_dim(
             codec.name,
             d,
             sum(v.numel() * v.element_size() * world for k, v in payloads[d].items() if fields[k] is not None),
+        )
+    for d in derived:  # a columnwise payload quantized from the rowwise one: from the gathered rows
+        gathered[d] = columnwise_from_rowwise(quantizer, gathered[ROWWISE], shape_2d(full_shape))
+        comm.record(
+            quantizer.for_direction(d).format_name, f"{d}_derived", row_bytes(quantizer, d, shape_2d(x.shape)) * world
         )
     return QuantizedData(full_shape, x.dtype, quantizer, gathered, device=x.device)
 
@@ -252,11 +267,17 @@ def reduce_amax(
 ) -> dict:
     """The amaxes of a tensor split along ``dim`` of its [M, K] view over ``group``: the local ones
     (or ``amax``), MAX-reduced in one all-reduce (see :mod:`dtq.distributed.amax`)."""
-    if amax is None:
-        amax = quantizer.local_amax(x, rowwise=rowwise, columnwise=columnwise)
-    if amax and dist.get_world_size(group) > 1:
-        amax = amax_lib.reduce_over_shards(amax, group, dim)
-    return amax
+    if dist.get_world_size(group) == 1:
+        return amax if amax is not None else quantizer.local_amax(x, rowwise=rowwise, columnwise=columnwise)
+    if amax is not None:
+        return amax_lib.reduce_over_shards(amax, group, dim) if amax else amax
+    return amax_lib.sharded_amax(
+        quantizer,
+        x,
+        lambda a: amax_lib.reduce_over_shards(a, group, dim),
+        rowwise=rowwise,
+        columnwise=columnwise,
+    )
 
 
 def _shard_seed(quantizer: Quantizer, dirs, x: torch.Tensor, group) -> torch.Tensor | None:
@@ -264,15 +285,6 @@ def _shard_seed(quantizer: Quantizer, dirs, x: torch.Tensor, group) -> torch.Ten
         return None
     seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=x.device)
     return (seed + dist.get_rank(group) * 1_000_003) % (2**31 - 1)
-
-
-def _row_bytes(quantizer: Quantizer, direction: str, shape: tuple[int, int]) -> int:
-    """Bytes of the row-structured payload fields of one direction of a [M, K] tensor (what a
-    gather moves; per-tensor fields are reduced, not gathered)."""
-    codec = quantizer.codec(direction)
-    fields = codec.fields()
-    empty = codec.empty(shape, torch.device("meta"), torch.float32)
-    return sum(v.numel() * v.element_size() for k, v in empty.items() if fields[k] is not None)
 
 
 def local_param(p: torch.Tensor, reduce_group=None) -> torch.Tensor:

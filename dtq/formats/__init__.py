@@ -5,7 +5,7 @@ from dtq.formats.base import Quantizer
 from dtq.formats.float8 import Float8Quantizer
 from dtq.formats.float8_block import Float8BlockQuantizer
 from dtq.formats.float8_row import Float8RowwiseQuantizer
-from dtq.formats.hybrid import HybridQuantizer
+from dtq.formats.hybrid import COLUMNWISE_SOURCES, HybridQuantizer
 from dtq.formats.identity import IdentityQuantizer
 from dtq.formats.mxfp8 import MXFP8Quantizer
 from dtq.formats.nvfp4 import NVFP4Quantizer
@@ -24,4 +24,5 @@ __all__ = [
     "NVFP4Quantizer",
     "IdentityQuantizer",
     "HybridQuantizer",
+    "COLUMNWISE_SOURCES",
 ]

@@ -67,11 +67,33 @@ class Quantizer:
                     break
         return out
 
-    def local_amax(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = True) -> dict[str, torch.Tensor]:
+    def columnwise_from_rowwise(self) -> bool:
+        """Whether the columnwise payload is quantized from the dequantized rowwise payload (a
+        ``HybridQuantizer(columnwise_source="rowwise_dequantized")``) rather than from the input."""
+        return False
+
+    def deferred_amax(self, rowwise: bool = True, columnwise: bool = True) -> tuple[str, ...]:
+        """Directions whose amax depends on another direction's amax reduced over shards first:
+        :meth:`local_amax` leaves them out unless given ``rowwise_amax`` (a second round)."""
+        return ()
+
+    def local_amax(
+        self,
+        x: torch.Tensor,
+        *,
+        rowwise: bool = True,
+        columnwise: bool = True,
+        rowwise_amax: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
         """The amax each requested direction needs (``Codec.needs_amax``: tensor-wide, or one per
         column), computed on this (local) tensor. Reduce the values with MAX across the ranks that
         hold other rows and pass them to ``quantize(amax=...)`` so that shards quantize as slices
-        of the whole."""
+        of the whole.
+
+        A direction in :meth:`deferred_amax` (a hybrid's columnwise payload quantized from the
+        rowwise one, both formats taking a tensor-wide amax) is left out: call again with the
+        reduced ``rowwise_amax`` for its local value and reduce that too
+        (``dtq.distributed.amax.sharded_amax`` does both rounds). Plain formats ignore ``rowwise_amax``."""
         x2 = as_2d(x, self)
         out = {}
         for d in wanted_directions(rowwise, columnwise):

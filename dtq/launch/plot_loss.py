@@ -6,7 +6,9 @@
 
 Each argument is a trainer metrics log (``metrics.jsonl``) or a run directory holding one; the
 legend names each run by its directory unless ``--labels`` says otherwise. Training loss is drawn
-solid, validation loss (when logged) as markers. Needs matplotlib: ``pip install 'dtq[plot]'``.
+solid, validation loss (when logged) as markers. ``--baseline LOG`` adds a panel below with every
+other run's losses relative to that run's at the same steps, in % (differences of a percent are
+invisible on the full curves). Needs matplotlib: ``pip install 'dtq[plot]'``.
 """
 
 from __future__ import annotations
@@ -26,10 +28,24 @@ def _metrics_path(arg: str) -> pathlib.Path:
     return p
 
 
+def _curves(path: pathlib.Path) -> tuple[dict[int, float], dict[int, float]]:
+    """``({step: train loss}, {step: validation loss})`` of one log."""
+    train = {r["step"]: r["loss"] for r in read(path, "train")}
+    if not train:
+        raise ValueError(f"plot_loss: {path} has no training records")
+    return train, {r["step"]: r["val_loss"] for r in read(path, "eval")}
+
+
 def plot(
-    logs: list[str], out: str, labels: list[str] | None = None, title: str | None = None, log_y: bool = False
+    logs: list[str],
+    out: str,
+    labels: list[str] | None = None,
+    title: str | None = None,
+    log_y: bool = False,
+    baseline: str | None = None,
 ) -> pathlib.Path:
-    """Draw every log's train (and eval) loss against the step into ``out`` (a PNG)."""
+    """Draw every log's train (and eval) loss against the step into ``out`` (a PNG); with
+    ``baseline`` (a log or run directory), a second panel of each run's loss relative to it."""
     try:
         import matplotlib
     except ImportError:
@@ -42,24 +58,39 @@ def plot(
 
     if labels is not None and len(labels) != len(logs):
         raise ValueError(f"plot_loss: {len(labels)} labels for {len(logs)} logs")
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    base = None if baseline is None else _metrics_path(baseline)
+    if base is None:
+        fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    else:
+        fig, (ax, rel) = plt.subplots(2, 1, figsize=(8, 8), dpi=120, sharex=True, height_ratios=(3, 2))
+        base_train, base_val = _curves(base)
+        late: list[float] = []  # the relative losses after the first fifth of training set the panel's range
     for i, arg in enumerate(logs):
         path = _metrics_path(arg)
         label = labels[i] if labels else path.parent.name
-        train = read(path, "train")
-        if not train:
-            raise ValueError(f"plot_loss: {path} has no training records")
-        (line,) = ax.plot([r["step"] for r in train], [r["loss"] for r in train], label=f"{label} (train)")
-        evals = read(path, "eval")
+        train, evals = _curves(path)
+        (line,) = ax.plot(list(train), list(train.values()), label=f"{label} (train)")
         if evals:
-            ax.plot(
-                [r["step"] for r in evals],
-                [r["val_loss"] for r in evals],
-                "o",
-                color=line.get_color(),
-                label=f"{label} (validation)",
-            )
-    ax.set_xlabel("step")
+            ax.plot(list(evals), list(evals.values()), "o", color=line.get_color(), label=f"{label} (validation)")
+        if base is None or path.resolve() == base.resolve():
+            continue
+        for curve, ref, style in ((train, base_train, "-"), (evals, base_val, "o")):
+            steps = [s for s in curve if s in ref]
+            pct = [100 * (curve[s] / ref[s] - 1) for s in steps]
+            rel.plot(steps, pct, style, color=line.get_color(), label=label if style == "-" else None)
+            late += [v for s, v in zip(steps, pct) if s >= max(base_train) / 5]
+    if base is not None:
+        rel.axhline(0.0, color="black", linewidth=0.8)
+        if late:  # early steps differ by far more, and would hide the differences that matter
+            pad = max(0.5, 0.1 * (max(late) - min(late)))
+            rel.set_ylim(min(min(late), 0.0) - pad, max(max(late), 0.0) + pad)
+        rel.set_xlabel("step")
+        rel.set_ylabel(f"loss vs {base.stem if base.name != 'metrics.jsonl' else base.parent.name} (%)")
+        rel.grid(alpha=0.3)
+        if late:
+            rel.legend()
+    else:
+        ax.set_xlabel("step")
     ax.set_ylabel("loss (nats / byte)")
     if log_y:
         ax.set_yscale("log")
@@ -81,8 +112,9 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
     p.add_argument("--labels", nargs="+", help="one legend label per log")
     p.add_argument("--title")
     p.add_argument("--log-y", action="store_true", help="logarithmic loss axis")
+    p.add_argument("--baseline", help="a log or run directory: add a panel of each run's loss relative to it (%%)")
     args = p.parse_args(argv)
-    out = plot(args.logs, args.out, args.labels, args.title, args.log_y)
+    out = plot(args.logs, args.out, args.labels, args.title, args.log_y, args.baseline)
     print(f"wrote {out}")
     return out
 

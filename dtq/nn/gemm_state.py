@@ -24,7 +24,7 @@ from dtq._warn import warn_once
 from dtq.autocast import active_amax_sync, active_recipe, autocast_active, recipe_or
 from dtq.distributed.gather import GatherPlan
 from dtq.distributed.tp import TPSpec
-from dtq.formats import COLUMNWISE, ROWWISE, IdentityQuantizer, Quantizer
+from dtq.formats import COLUMNWISE, DIRECTIONS, ROWWISE, IdentityQuantizer, Quantizer
 from dtq.nn.slot import Slot
 from dtq.recipe import TENSOR_TYPES, QuantizerRole, recipe_by_key
 from dtq.tensor import QuantizedTensor
@@ -91,7 +91,8 @@ class GemmState:
             recipe is not None and recipe.backward_override == "high_precision" and ctx.training_state == "PRE_BACKWARD"
         )
         if slot is None or slot.quantizer is None or hp_backward:
-            return GatherPlan(IdentityQuantizer(), (ROWWISE,), fallback=True)
+            # both directions: one passthrough payload (moved once) serves fprop and dgrad alike
+            return GatherPlan(IdentityQuantizer(), DIRECTIONS, fallback=True)
         delayed = functools.partial(_delayed_weight_amax, ctx, slot) if slot.history is not None else None
         return GatherPlan(slot.quantizer, self._needed_directions(ctx, recipe, have), delayed)
 

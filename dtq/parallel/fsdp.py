@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from dtq._torch_private import fsdp_gather_dtype, fsdp_shard_group, gather_context
 from dtq.autocast import active_recipe
-from dtq.distributed.amax import all_reduce_max
+from dtq.distributed.amax import all_reduce_max, sharded_amaxes
 from dtq.distributed.gather import amax_key
 from dtq.distributed.world import check_launched_world
 from dtq.nn.module import QuantizedModule
@@ -43,8 +43,9 @@ def precompute_amax(model: torch.nn.Module, recipe=None) -> None:
             ctx = gather_context(local)
             dtype = fsdp_gather_dtype(ctx.fsdp_param) or local.dtype  # what fsdp_pre_all_gather casts to
             data = local_data(local)
+            x = data.to(dtype)
             try:
-                amax = q.local_amax(data.to(dtype))
+                amax = q.local_amax(x)
             except ValueError as e:
                 name = f"{fqn}.{leaf}".lstrip(".")
                 raise ValueError(
@@ -54,8 +55,12 @@ def precompute_amax(model: torch.nn.Module, recipe=None) -> None:
                     f"reports layers a recipe cannot shard)"
                 ) from e
             if amax:
-                groups.setdefault(fsdp_shard_group(ctx.fsdp_param), []).append((local, data, q, dtype, amax))
+                groups.setdefault(fsdp_shard_group(ctx.fsdp_param), []).append((local, data, q, dtype, x, amax))
     for pg, items in groups.items():
-        reduced = iter(all_reduce_max([a for *_, amax in items for a in amax.values()], pg))
-        for local, data, q, dtype, amax in items:
-            local.remember_amax(amax_key(local, data, q, dtype), {d: next(reduced) for d in amax})
+        reduced = sharded_amaxes(
+            [(q, x, True, True) for _, _, q, _, x, _ in items],
+            lambda ts: all_reduce_max(ts, pg),  # noqa: B023 - called before the loop moves on
+            [amax for *_, amax in items],
+        )
+        for (local, data, q, dtype, _, _), amax in zip(items, reduced):
+            local.remember_amax(amax_key(local, data, q, dtype), amax)

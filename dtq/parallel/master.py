@@ -130,15 +130,47 @@ def quantize_master_weights(
             first = len(stats)
             stats.extend(amax.values())
             plans.append(("shard", qt, master, dirs, list(amax), first))
-    for g in groups:  # one all-reduce per sharding mesh dim (one, without tensor parallelism)
-        stats = all_reduce_max(stats, g)
-    for plan in plans:
+    stats = _reduce(stats, groups)
+    # A second round for amaxes taken over values that depend on the first round's (a hybrid whose
+    # columnwise payload is quantized from its rowwise one): nothing moves unless some parameter has one.
+    later = [
+        (i, plan)
+        for i, plan in enumerate(plans)
+        if plan[0] == "flat" or plan[1].quantizer.deferred_amax("rowwise" in plan[3], "columnwise" in plan[3])
+    ]
+    more: list = []
+    followups = {i: _second_round(plan, stats, more) for i, plan in later}
+    more = _reduce(more, groups)
+    for i, plan in enumerate(plans):
         if plan[0] == "shard":
             _, qt, master, dirs, keys, first = plan
-            amax = {d: stats[first + i] for i, d in enumerate(keys)}
+            amax = {d: stats[first + j] for j, d in enumerate(keys)}
+            if i in followups:
+                amax.update({d: more[j] for d, j in followups[i].items()})
             _write(qt, quantize_payloads(qt.quantizer, master, dirs, amax=amax), None)
         else:
-            _finish_flat(plan, stats)
+            _finish_flat(plan, stats, followups[i], more)
+
+
+def _reduce(stats: list, groups) -> list:
+    for g in groups:  # one all-reduce per sharding mesh dim (one, without tensor parallelism)
+        stats = all_reduce_max(stats, g)
+    return stats
+
+
+def _second_round(plan, stats: list, more: list) -> dict:
+    """Append to ``more`` the local second-round amaxes of ``plan`` (given the reduced first-round
+    ``stats``); return where each went."""
+    if plan[0] == "shard":
+        _, qt, master, dirs, keys, first = plan
+        q = qt.quantizer
+        out = {}
+        for d in q.deferred_amax("rowwise" in dirs, "columnwise" in dirs):
+            rowwise_amax = stats[first + keys.index("rowwise")]
+            out[d] = len(more)
+            more.append(q.local_amax(master, rowwise=False, columnwise=True, rowwise_amax=rowwise_amax)[d])
+        return out
+    return _flat_second_round(plan, stats, more)
 
 
 def _plan_flat(qt: QuantizedTensor, sl: FlatSlice, dirs, stats: list):
@@ -154,46 +186,85 @@ def _plan_flat(qt: QuantizedTensor, sl: FlatSlice, dirs, stats: list):
     ours = torch.zeros(m * k, dtype=torch.bool, device=sl.data.device)
     ours[start:end] = True
     buf, ours = buf.view(m, k), ours.view(m, k)
+    q = qt.quantizer
+    derived = "columnwise" in dirs and q.columnwise_from_rowwise()
     entries = {}
-    for d in dirs:
-        codec = qt.quantizer.codec(d)
-        sub = codec.q
-        if codec.amax_space() != "x":
-            raise ValueError(
-                f"quantize_master_weights: {sub!r} transforms its {d} direction across rows; a flat "
-                "slice cannot be cast piecewise. Use dim-0 shards for this parameter"
-            )
-        tile = codec.tile((m, k))
-        if tile is not None and not codec.scales_from_block_amax():
-            raise ValueError(
-                f"quantize_master_weights: {sub!r} chooses each {d} block scale from all the block's "
-                "values, which a flat slice cutting through blocks does not hold. Use dim-0 shards "
-                "(whole blocks) for this parameter"
-            )
-        entry = {}
-        if tile is not None:
-            entry["blocks"] = (len(stats), tile)
-            stats.append(_bits.block_amax(buf, tile))
-        if codec.needs_amax():
-            entry["amax"] = len(stats)
-            stats.append(codec.local_amax(buf))
-        entries[d] = entry
+    for d in ("rowwise", "columnwise"):
+        if d not in dirs and not (derived and d == "rowwise"):
+            continue
+        _check_flat(q.codec(d), d, (m, k))
+        # a columnwise payload quantized from the rowwise one: its stats are the second round's
+        entries[d] = {} if derived and d == "columnwise" else _block_stats(q.codec(d), buf, stats)
     return ("flat", qt, buf, ours, dirs, entries, (start, end))
 
 
-def _finish_flat(plan, stats):
+def _check_flat(codec, d: str, shape: tuple[int, int]) -> None:
+    if codec.amax_space() != "x":
+        raise ValueError(
+            f"quantize_master_weights: {codec.q!r} transforms its {d} direction across rows; a flat "
+            "slice cannot be cast piecewise. Use dim-0 shards for this parameter"
+        )
+    if codec.tile(shape) is not None and not codec.scales_from_block_amax():
+        raise ValueError(
+            f"quantize_master_weights: {codec.q!r} chooses each {d} block scale from all the block's "
+            "values, which a flat slice cutting through blocks does not hold. Use dim-0 shards "
+            "(whole blocks) for this parameter"
+        )
+
+
+def _block_stats(codec, buf: torch.Tensor, stats: list) -> dict:
+    """Append the partial block amaxes (and tensor-wide amax) of ``buf`` (zeros where not ours) to
+    ``stats``; return where they went."""
+    entry = {}
+    tile = codec.tile(tuple(buf.shape))
+    if tile is not None:
+        entry["blocks"] = (len(stats), tile)
+        stats.append(_bits.block_amax(buf, tile))
+    if codec.needs_amax():
+        entry["amax"] = len(stats)
+        stats.append(codec.local_amax(buf))
+    return entry
+
+
+def _filled(buf: torch.Tensor, ours: torch.Tensor, entry: dict, stats: list) -> torch.Tensor:
+    """Every element that is not ours holds its block's global amax: quantizing the whole buffer
+    then gives each block its global scale, and our elements their exact codes."""
+    if "blocks" not in entry:
+        return buf
+    idx, tile = entry["blocks"]
+    return torch.where(ours, buf, _bits.expand_blocks(stats[idx], tile, tuple(buf.shape)))
+
+
+def _flat_payload(q, d: str, buf, ours, entry: dict, stats: list):
+    amax = {d: stats[entry["amax"]]} if "amax" in entry else None
+    return quantize_payloads(q.for_direction(d), _filled(buf, ours, entry, stats), (d,), amax=amax)[d]
+
+
+def _flat_second_round(plan, stats: list, more: list) -> dict:
+    """A columnwise payload quantized from the dequantized rowwise one: our elements' rowwise
+    values are exact once the rowwise scales are global (first round), so their columnwise block
+    amaxes are the second round's partial ones."""
+    _, qt, buf, ours, dirs, entries, _ = plan
+    q = qt.quantizer
+    if "columnwise" not in dirs or not q.columnwise_from_rowwise():
+        return {}
+    rowwise = _flat_payload(q, "rowwise", buf, ours, entries["rowwise"], stats)
+    y = q.codec("rowwise").dequantize(rowwise, qt.shape2d)
+    y = torch.where(ours, y, torch.zeros((), dtype=y.dtype, device=y.device))
+    return {"rowwise": rowwise, "y": y, "entry": _block_stats(q.codec("columnwise"), y, more)}
+
+
+def _finish_flat(plan, stats: list, second: dict, more: list) -> None:
     _, qt, buf, ours, dirs, entries, element_range = plan
+    q = qt.quantizer
     payloads = {}
     for d in dirs:
-        entry = entries[d]
-        filled = buf
-        if "blocks" in entry:
-            idx, tile = entry["blocks"]
-            # Every element that is not ours holds its block's global amax: quantizing the whole
-            # buffer then gives each block its global scale, and our elements their exact codes.
-            filled = torch.where(ours, buf, _bits.expand_blocks(stats[idx], tile, tuple(buf.shape)))
-        amax = {d: stats[entry["amax"]]} if "amax" in entry else None
-        payloads[d] = quantize_payloads(qt.quantizer, filled, (d,), amax=amax)[d]
+        if d == "columnwise" and second:
+            payloads[d] = _flat_payload(q, d, second["y"], ours, second["entry"], more)
+        elif d == "rowwise" and second:
+            payloads[d] = second["rowwise"]
+        else:
+            payloads[d] = _flat_payload(q, d, buf, ours, entries[d], stats)
     _write(qt, payloads, element_range)
 
 

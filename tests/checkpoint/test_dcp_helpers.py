@@ -40,6 +40,7 @@ CASES = [
     ("mxfp8", True),
     ("nvfp4", True),
     ("hybrid", True),
+    ("hybrid_rd", True),  # weights' columnwise payloads quantized from their rowwise ones
 ]
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # torchtitan's sharded checkpoints
@@ -53,6 +54,9 @@ def _recipe(fmt: str):
         "mxfp8": dtq.MXFP8BlockScaling(),
         "nvfp4": dtq.NVFP4BlockScaling(),
         "hybrid": dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling()),
+        "hybrid_rd": dtq.hybrid_recipe(
+            dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling(), weight_columnwise_source="rowwise_dequantized"
+        ),
     }[fmt]
 
 

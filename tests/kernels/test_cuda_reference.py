@@ -25,6 +25,9 @@ QUANTIZERS = [
     dtq.NVFP4Quantizer(stochastic_rounding=True, random_hadamard=True),
     dtq.IdentityQuantizer(torch.bfloat16),
     dtq.HybridQuantizer(rowwise=dtq.MXFP8Quantizer(), columnwise=dtq.NVFP4Quantizer()),
+    dtq.HybridQuantizer(
+        rowwise=dtq.Float8Quantizer(), columnwise=dtq.NVFP4Quantizer(), columnwise_source="rowwise_dequantized"
+    ),
 ]
 
 

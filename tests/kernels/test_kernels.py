@@ -183,6 +183,49 @@ def test_quantize_bits_match_reference(name, spy):
     assert cases > 0
 
 
+# columnwise_source="rowwise_dequantized": the rowwise kernel, its dequantize kernel, then the
+# columnwise kernel on those fp32 values (docs/formats.md, "Hybrids: columnwise_source")
+DERIVED = {
+    "mxfp8->nvfp4": H(
+        rowwise=dtq.MXFP8Quantizer(), columnwise=dtq.NVFP4Quantizer(), columnwise_source="rowwise_dequantized"
+    ),
+    "fp8->nvfp4_rht": H(
+        rowwise=dtq.Float8Quantizer(),
+        columnwise=dtq.NVFP4Quantizer(random_hadamard=True),
+        columnwise_source="rowwise_dequantized",
+    ),
+    "nvfp4->mxfp8": H(
+        rowwise=dtq.NVFP4Quantizer(), columnwise=dtq.MXFP8Quantizer(), columnwise_source="rowwise_dequantized"
+    ),
+    "fp8b_1x128->fp8_row": H(
+        rowwise=dtq.Float8BlockQuantizer(),
+        columnwise=dtq.Float8RowwiseQuantizer(),
+        columnwise_source="rowwise_dequantized",
+    ),
+}
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", list(DERIVED))
+def test_rowwise_dequantized_kernel_bits_match_reference(name, spy):
+    q = DERIVED[name]
+    gen = torch.Generator().manual_seed(5)
+    cases = 0
+    for shape in [(256, 384), (96, 160), (130, 208)]:
+        for dtype in DTYPES:
+            x = _inputs(shape, dtype, gen)["random"]
+            for dirs in DIRSETS:
+                if not _valid(q, shape, (True, True)):
+                    continue
+                kw = dict(rowwise=dirs[0], columnwise=dirs[1])
+                n0 = len(spy)
+                got = q.quantize(x.cuda(), **kw)
+                assert len(spy) > n0, f"{name} {shape} {dtype}: no kernel ran"
+                _compare(got, q.quantize(x, **kw), f"{name} {shape} {dtype} dirs={dirs} vs CPU reference")
+                cases += 1
+    assert cases > 0
+
+
 @needs_cuda
 @pytest.mark.parametrize(
     "name", ["fp8", "nvfp4", "nvfp4_rht", "fp8/mxfp8", "mxfp8/nvfp4_rht_sr", "fp8_row", "nvfp4_16x16/fp8_row_e5m2"]

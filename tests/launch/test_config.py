@@ -268,6 +268,25 @@ def test_the_1b_config_fits_every_recipe_in_each_8_gpu_layout():
     assert cfg.model.heads % 2 == 0 and cfg.model.seq_len % 2 == 0
 
 
+def test_the_1b_single_gpu_config_is_the_1b_model_and_fits_every_recipe_on_1_rank():
+    """llama1b_1gpu.toml (bench/fidelity_study.sh) lowers llama1b.toml to one GPU: the same model,
+    data and peak learning rate, 300 steps; every recipe of the study fits its shapes unsharded."""
+    cfg = config.load("launch/configs/llama1b_1gpu.toml")
+    four = config.load("launch/configs/llama1b.toml")
+    assert cfg.model == four.model and cfg.data == four.data
+    assert (cfg.train.lr, cfg.train.min_lr_ratio, cfg.train.dtype) == (
+        four.train.lr,
+        four.train.min_lr_ratio,
+        "bfloat16",
+    )
+    assert (cfg.train.steps, cfg.train.batch_size, cfg.train.eval_every, cfg.train.checkpoint_every) == (300, 4, 50, 0)
+    with torch.device("meta"):
+        model = Decoder(cfg.model)
+    tokens = cfg.train.batch_size * cfg.model.seq_len
+    for name in ("bf16", "fp8", "fp8-block", "fp8-row", "mxfp8", "nvfp4", "hybrid", "nvfp4_1d_weight"):
+        preflight.check_shapes(model, build_recipe(name), tokens, 1)
+
+
 def test_progress_line_shows_collectives_step_time_and_peak_memory():
     rec = {
         "step": 20,

@@ -45,6 +45,9 @@ EXPECTED = {
     },
 }
 
+# slots whose columnwise payload is quantized from the dequantized rowwise one (the rest: "original")
+COLUMNWISE_SOURCE = {("mxfp8_fwd_nvfp4_bwd", "weight"): "rowwise_dequantized"}
+
 
 def test_every_factory_is_listed():
     assert set(FACTORIES) == set(EXPECTED)
@@ -67,6 +70,8 @@ def test_formats_per_role(name):
                 continue
             got = (q.for_direction("rowwise"), q.for_direction("columnwise"))
             assert got == want, (role, got)
+            source = COLUMNWISE_SOURCE.get((name, tensor_type), "original")
+            assert getattr(q, "columnwise_source", "original") == source, (role, q)
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))

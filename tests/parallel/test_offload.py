@@ -14,6 +14,9 @@ RECIPES = {
     "mxfp8": dtq.MXFP8BlockScaling,
     "nvfp4": dtq.NVFP4BlockScaling,
     "hybrid": lambda: dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling()),
+    "hybrid_rd": lambda: dtq.hybrid_recipe(
+        dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling(), weight_columnwise_source="rowwise_dequantized"
+    ),
 }
 
 
