@@ -9,7 +9,7 @@
 #   RECIPES="bf16 fp8" DEADLINE_S=560 bash bench/fidelity_study.sh
 #   python bench/fidelity_summary.py runs/a/*.jsonl runs/b/*.jsonl --png docs/fidelity_1b.png --md out.md
 #
-# RECIPES   recipe names or "module:function" factories (default "bf16 fp8 hybrid hybrid-rd
+# RECIPES   recipe names or "module:function" factories (default "bf16 fp8 hybrid hybrid-original
 #           nvfp4_1d_weight"); the files are named by the recipe with characters other than
 #           [A-Za-z0-9._-] replaced by "_"
 # CONFIG    the trainer config (default launch/configs/llama1b_1gpu.toml)
@@ -28,7 +28,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/dtq_out}
 CONFIG=${CONFIG:-launch/configs/llama1b_1gpu.toml}
-RECIPES=${RECIPES:-bf16 fp8 hybrid hybrid-rd nvfp4_1d_weight}
+RECIPES=${RECIPES:-bf16 fp8 hybrid hybrid-original nvfp4_1d_weight}
 STEPS=${STEPS:-}
 QUANTIZED_PARAMS=${QUANTIZED_PARAMS:-true}
 EXTRA=${EXTRA:-}

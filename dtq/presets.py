@@ -30,13 +30,14 @@ PRESETS: Mapping[str, Callable[[], Recipe]] = MappingProxyType(
         "mxfp8": MXFP8BlockScaling,
         "nvfp4": NVFP4BlockScaling,
         # MXFP8 for the forward GEMM, NVFP4 (16x16 weights, stochastic rounding on gradients, random
-        # Hadamard on the wgrad operands) for the backward GEMMs.
-        "hybrid": lambda: hybrid_recipe(MXFP8BlockScaling(), NVFP4BlockScaling()),
-        # The same, with each weight's columnwise (dgrad) payload quantized from its dequantized
-        # MXFP8 rowwise payload: backward sees the weight forward saw.
-        "hybrid-rd": lambda: hybrid_recipe(
+        # Hadamard on the wgrad operands) for the backward GEMMs; each weight's columnwise (dgrad)
+        # payload quantized from its dequantized MXFP8 rowwise payload, so backward sees the weight
+        # forward saw. The best hybrid of the 1.07 B fidelity study (docs/benchmarks.md).
+        "hybrid": lambda: hybrid_recipe(
             MXFP8BlockScaling(), NVFP4BlockScaling(), weight_columnwise_source="rowwise_dequantized"
         ),
+        # The same with every columnwise payload quantized from the original (the default until then).
+        "hybrid-original": lambda: hybrid_recipe(MXFP8BlockScaling(), NVFP4BlockScaling()),
         # Per-tensor FP8 forward, NVFP4 backward.
         "hybrid-fp8-nvfp4": lambda: hybrid_recipe(Float8CurrentScaling(), NVFP4BlockScaling()),
         # MXFP8 forward, FP8 1x128 / 128x128 blocks backward.

@@ -68,7 +68,10 @@ def test_quantized_params_need_a_quantizing_recipe():
 
 def test_recipes_by_name_and_by_factory():
     assert build_recipe("bf16") is None
-    assert build_recipe("hybrid") == dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling())
+    assert build_recipe("hybrid") == dtq.hybrid_recipe(
+        dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling(), weight_columnwise_source="rowwise_dequantized"
+    )
+    assert build_recipe("hybrid-original") == dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling())
     for name in RECIPES:
         build_recipe(name)  # every preset builds
     assert build_recipe("dtq:MXFP8BlockScaling") == dtq.MXFP8BlockScaling()
