@@ -19,6 +19,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 import dtq
+from dtq._warn import warn_once
 from dtq.integrations._common import check_master_weights, has_dtq_modules, precompute_after_steps
 from dtq.presets import as_recipe
 from dtq.recipe import Recipe
@@ -56,6 +57,18 @@ def prepare(accelerator: Accelerator, *objects: Any, **prepare_kwargs: Any) -> A
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
     for model in models:
         check_master_weights("dtq.integrations.accelerate.prepare", model, optimizers)
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if models and plugin is not None and getattr(plugin, "cpu_ram_efficient_loading", False):
+        # Accelerate's FSDP2 loading moves the model to the meta device and broadcasts every
+        # state-dict entry as a DTensor; a dtq module's `_extra_state` (its weights' formats) is not one.
+        warn_once(
+            "accelerate-cpu-ram-efficient-loading",
+            "dtq.integrations.accelerate.prepare: Accelerate's FSDP2 cpu_ram_efficient_loading is turned off "
+            "for this run: it broadcasts every state-dict entry as a DTensor, and dtq modules also keep "
+            "their weights' formats in `_extra_state`. Every rank builds the model itself instead; pass "
+            "--fsdp_cpu_ram_efficient_loading false (or fsdp_cpu_ram_efficient_loading: false) to silence this",
+        )
+        plugin.cpu_ram_efficient_loading = False
     prepared = accelerator.prepare(*objects, **prepare_kwargs)
     out = prepared if isinstance(prepared, tuple) else (prepared,)
     models = [p for p in out if isinstance(p, torch.nn.Module) and has_dtq_modules(p)]
