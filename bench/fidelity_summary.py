@@ -113,7 +113,7 @@ def summarise_run(path: pathlib.Path, label: str, last_steps: int) -> dict:
     gathered = train[-1].get("gathered_bytes")
     if gathered is not None:  # dtq's count of all-gathered bytes per rank, by format / direction
         row["gathered_by_kind_per_step"] = {k: v / n for k, v in sorted(gathered.items())}
-        row["gathered_bytes_per_step"] = sum(gathered.values()) / n
+        row["gathered_bytes_per_step"] = metrics.moved_bytes(gathered) / n  # "*_derived" counts moved nothing
     peaks = [r["peak_memory_bytes"] for r in train if r.get("peak_memory_bytes") is not None]
     row["peak_memory_bytes"] = max(peaks) if peaks else None
     return row

@@ -20,6 +20,11 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} GB"
 
 
+def moved_bytes(gathered: dict[str, int]) -> int:
+    """What dtq's gathers moved: the ``*_derived`` counts are payloads computed after a gather instead."""
+    return sum(v for k, v in gathered.items() if not k.endswith("_derived"))
+
+
 def progress_line(rec: dict[str, Any], total_steps: int) -> str:
     """``step  20/40 | loss 3.1416 | lr 2.7e-03 | 12,345 tok/s | gathered 1.23 MB (mxfp8/rowwise 0.82 MB,
     ...) | reduce-scattered 2.46 MB | 95 ms/step | peak 3.2 GiB`` (the last three where recorded)."""
@@ -28,7 +33,7 @@ def progress_line(rec: dict[str, Any], total_steps: int) -> str:
     width = len(str(total_steps))
     line = (
         f"step {rec['step']:>{width}}/{total_steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.1e} | "
-        f"{rec['tokens_per_s']:,.0f} tok/s | gathered {human_bytes(sum(gathered.values()))}"
+        f"{rec['tokens_per_s']:,.0f} tok/s | gathered {human_bytes(moved_bytes(gathered))}"
         + (f" ({parts})" if parts else "")
     )
     collectives = rec.get("collective_bytes") or {}

@@ -182,6 +182,8 @@ def test_tensor_and_sequence_parallel_trains_and_resumes_bitwise(tmp_path):
             "nvfp4/columnwise",
             "nvfp4/rowwise",
             "float32/high_precision",
+            # the hybrid's weights: NVFP4 columnwise payloads derived from gathered MXFP8 rowwise ones
+            "nvfp4/columnwise_derived",
         }, r["gathered_bytes"]
     _resume_from(tmp_path / "full", 3, args, tmp_path / "resumed")
 
