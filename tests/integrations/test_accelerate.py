@@ -76,3 +76,38 @@ def test_accelerate_refuses_plain_optimizers_and_its_own_fp8():
             dtq_accelerate.convert(accelerator, torch.nn.Linear(H, H), "mxfp8")
     finally:
         AcceleratorState._reset_state(True)
+
+
+def _check_fsdp2_ram_efficient_loading(rank, world):
+    import os
+
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    from dtq.integrations import accelerate as dtq_accelerate
+
+    os.environ["ACCELERATE_USE_FSDP"] = "true"
+    torch.cuda.set_device(rank)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=True)
+    accelerator = Accelerator(fsdp_plugin=plugin)
+    assert accelerator.distributed_type == DistributedType.FSDP
+    torch.manual_seed(0)
+    model = dtq_accelerate.convert(
+        accelerator, torch.nn.Sequential(torch.nn.Linear(H, 2 * H), torch.nn.GELU(), torch.nn.Linear(2 * H, H)), "fp8"
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.warns(UserWarning, match="cpu_ram_efficient_loading is turned off"):
+        model, optimizer = dtq_accelerate.prepare(accelerator, model, optimizer)
+    assert not accelerator.state.fsdp_plugin.cpu_ram_efficient_loading
+    x, _ = _data()
+    with torch.no_grad():
+        assert torch.isfinite(model(x.to(accelerator.device))).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Accelerate shards with FSDP2 on CUDA devices only")
+def test_fsdp2_cpu_ram_efficient_loading_is_turned_off_for_dtq_models():
+    """Accelerate's FSDP2 memory-saving load broadcasts every state-dict entry as a DTensor; it failed
+    on a dtq module's ``_extra_state`` ("'dict' object has no attribute 'device_mesh'", seen on an
+    H100). ``prepare`` turns it off, said once."""
+    pytest.importorskip("accelerate", reason="accelerate is not installed")
+    spawn(_check_fsdp2_ram_efficient_loading, 1, backend="nccl")
