@@ -1,5 +1,6 @@
-"""The recipes every matrix test runs: each built-in recipe, the MXFP8/NVFP4 hybrid (with both
-columnwise sources), a ``CustomRecipe`` no preset makes, and a backward override."""
+"""The recipes every matrix test runs: each built-in recipe, the MXFP8/NVFP4 hybrid, a
+``CustomRecipe`` no preset makes (its weights' columnwise payloads quantized from their rowwise
+ones, in two amax rounds), and a backward override."""
 
 from __future__ import annotations
 
@@ -29,10 +30,6 @@ RECIPES = {
     "mxfp8": lambda: dtq.MXFP8BlockScaling(),
     "nvfp4": lambda: dtq.NVFP4BlockScaling(),
     "hybrid_mxfp8_nvfp4": lambda: dtq.hybrid_recipe(dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling()),
-    # the weights' columnwise payloads quantized from their dequantized rowwise ones
-    "hybrid_rowwise_dequantized": lambda: dtq.hybrid_recipe(
-        dtq.MXFP8BlockScaling(), dtq.NVFP4BlockScaling(), weight_columnwise_source="rowwise_dequantized"
-    ),
     "custom": lambda: dtq.CustomRecipe(_custom_factory),
     "fp8_dequantized_bwd": lambda: dtq.Float8CurrentScaling(backward_override="dequantized"),
 }
