@@ -22,6 +22,7 @@ from dtq.codec import columnwise_from_rowwise
 from dtq.distributed.amax import reduce_over_shards, sharded_amax
 from dtq.parallel import FlatSlice, quantize_master_weights
 from dtq.testing import spawn
+from tests._collectives import CountAllReduce, gather_rows
 
 M, K = 128, 256
 RD = "rowwise_dequantized"
@@ -136,29 +137,6 @@ def test_a_linear_trains_under_it_with_quantized_parameters():
 # -- shards, master casts and sequence-parallel gathers ---------------------------------------------
 
 
-class _CountAllReduce:
-    def __init__(self):
-        self.calls, self.real = 0, dist.all_reduce
-
-    def __enter__(self):
-        def counting(*a, **k):
-            self.calls += 1
-            return self.real(*a, **k)
-
-        dist.all_reduce = counting
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_reduce = self.real
-
-
-def _rows(t: torch.Tensor, world: int) -> torch.Tensor:
-    b = t.contiguous().view(torch.uint8)
-    parts = [torch.empty_like(b) for _ in range(world)]
-    dist.all_gather(parts, b)
-    return torch.cat(parts).view(t.dtype)
-
-
 def _check_shards(rank, world):
     whole = _skewed(M * world // 2, world)
     rows = whole.shape[0] // world
@@ -167,7 +145,7 @@ def _check_shards(rank, world):
     for name, q in _pairs().items():
         for rowwise in (True, False):
             ref = q.quantize(whole, rowwise=rowwise)
-            with _CountAllReduce() as count:
+            with CountAllReduce() as count:
                 amax = sharded_amax(q, local, lambda a: reduce_over_shards(a, group), rowwise=rowwise)
             assert count.calls == (2 if q.deferred_amax() else 1), (name, count.calls)
             got = q.quantize(local, rowwise=rowwise, amax=amax)
@@ -175,19 +153,19 @@ def _check_shards(rank, world):
                 for k, v in ref.payload(d).items():
                     g = got.payload(d)[k]
                     rowful = q.codec(d).fields()[k] is not None
-                    assert torch.equal(_bits(_rows(g, world) if rowful else g), _bits(v)), (name, rowwise, d, k)
+                    assert torch.equal(_bits(gather_rows(g, world) if rowful else g), _bits(v)), (name, rowwise, d, k)
 
     # master-weight casts: dim-0 shards (one all-reduce, a second for two-round hybrids) and flat slices
     quantizers = list(_pairs().values())
     full = [q.quantize(whole) for q in quantizers]
     shards = [q.quantize(torch.zeros(rows, K)) for q in quantizers]
-    with _CountAllReduce() as count:
+    with CountAllReduce() as count:
         quantize_master_weights(shards, [local] * len(quantizers))
     assert count.calls == 2
     for q, f, s in zip(quantizers, full, shards):
         for d in f.directions:
             for k, v in f.payload(d).items():
-                got = _rows(s.payload(d)[k], world) if q.codec(d).fields()[k] is not None else s.payload(d)[k]
+                got = gather_rows(s.payload(d)[k], world) if q.codec(d).fields()[k] is not None else s.payload(d)[k]
                 assert torch.equal(_bits(got), _bits(v)), (q, d, k)
     flat_ok = [q for q in quantizers if q.codec("columnwise").amax_space() == "x"]
     n = whole.numel()
@@ -309,7 +287,7 @@ def _check_fsdp(rank, world):
                 for d in got.directions:
                     for k, v in got.payload(d).items():
                         ref_v = want.payload(d)[k]
-                        full = _rows(v, world) if got.quantizer.codec(d).fields()[k] is not None else v
+                        full = gather_rows(v, world) if got.quantizer.codec(d).fields()[k] is not None else v
                         assert torch.equal(_bits(full), _bits(ref_v)), (config, name, d, k)
             else:
                 n = got.shape[0]  # this rank's rows of the reference

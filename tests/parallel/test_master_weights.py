@@ -10,6 +10,7 @@ import torch.distributed as dist
 import dtq
 from dtq.parallel import FlatSlice, quantize_master_weights
 from dtq.testing import spawn
+from tests._collectives import CountAllReduce, gather_rows
 
 M, K = 256, 384
 
@@ -33,29 +34,6 @@ def _bits(t):
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
-class _CountAllReduce:
-    def __init__(self):
-        self.calls, self.real = 0, dist.all_reduce
-
-    def __enter__(self):
-        def counting(*a, **k):
-            self.calls += 1
-            return self.real(*a, **k)
-
-        dist.all_reduce = counting
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_reduce = self.real
-
-
-def _gather_rows(t, world):
-    b = t.contiguous().view(torch.uint8)  # gloo lacks float8/int16 all-gathers: move the bytes
-    parts = [torch.empty_like(b) for _ in range(world)]
-    dist.all_gather(parts, b)
-    return torch.cat(parts).view(t.dtype)
-
-
 def _device():
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
@@ -76,14 +54,14 @@ def _check_casts(rank, world):
             quantize_master_weights([quantizers[i].quantize(torch.zeros(rows, K, device=dev))], [masters[i][:rows]])
     quantizers, full, masters_w = [quantizers[i] for i in whole], [full[i] for i in whole], [masters[i] for i in whole]
     shards = [q.quantize(torch.zeros(rows, K, device=dev)) for q in quantizers]
-    with _CountAllReduce() as count:
+    with CountAllReduce() as count:
         quantize_master_weights(shards, [m[rank * rows : (rank + 1) * rows] for m in masters_w])
     assert count.calls == 1
     for q, f, s in zip(quantizers, full, shards):
         for d in f.directions:
             for k, v in f.payload(d).items():
                 fields = q.codec(d).fields()
-                got = _gather_rows(s.payload(d)[k], world) if fields[k] is not None else s.payload(d)[k]
+                got = gather_rows(s.payload(d)[k], world) if fields[k] is not None else s.payload(d)[k]
                 assert torch.equal(_bits(got), _bits(v)), (q, d, k)
 
     # flat slices that cut through blocks: boundaries at odd multiples of 16 elements
@@ -92,7 +70,7 @@ def _check_casts(rank, world):
     bounds = [0] + [(M * K * r // world) // 32 * 32 + 16 for r in range(1, world)] + [M * K]
     start, end = bounds[rank], bounds[rank + 1]
     params = [q.quantize(torch.zeros(M, K, device=dev)) for q in quantizers]
-    with _CountAllReduce() as count:
+    with CountAllReduce() as count:
         quantize_master_weights(params, [FlatSlice(m.reshape(-1)[start:end], start) for m in masters])
     assert count.calls == 1
     for q, f, p in zip(quantizers, full, params):
