@@ -296,7 +296,7 @@ def test_training_hsdp_2x2():
 def _check_amax_and_mixed_precision(rank, world):
     import warnings
 
-    from tests.parallel.test_master_weights import _CountAllReduce
+    from tests._collectives import CountAllReduce
 
     mesh = init_device_mesh(_device().type, (world,))
     recipe = _recipes()["fp8"]  # per-tensor scales: every gather needs a global amax
@@ -305,15 +305,15 @@ def _check_amax_and_mixed_precision(rank, world):
     x = torch.randn(TOKENS, HIDDEN, device=_device())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with _CountAllReduce() as count, dtq.autocast(recipe):
+        with CountAllReduce() as count, dtq.autocast(recipe):
             model(x).sum().backward()
     n_weights = 4
     assert count.calls == n_weights  # not precomputed: one reduction per parameter, at its first gather
     assert any("precompute_amax" in str(w.message) for w in caught)
-    with _CountAllReduce() as count:
+    with CountAllReduce() as count:
         dtq.parallel.precompute_amax(model, recipe)
     assert count.calls == 1  # every weight's amax in one all-reduce
-    with _CountAllReduce() as count, dtq.autocast(recipe):
+    with CountAllReduce() as count, dtq.autocast(recipe):
         model(x).sum().backward()
     assert count.calls == 0  # gathers reuse the precomputed amaxes (forward and backward)
 
@@ -337,7 +337,7 @@ def _check_amax_and_mixed_precision(rank, world):
     full = _model()
     dtq.parallel.precompute_amax(model, recipe)  # before the first forward: amaxes of the bf16 casts
     dtq.parallel.comm_stats(reset=True)
-    with _CountAllReduce() as count:
+    with CountAllReduce() as count:
         with dtq.autocast(recipe):
             y = model(x.bfloat16())
         assert y.dtype == torch.bfloat16
