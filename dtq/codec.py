@@ -404,6 +404,7 @@ class QuantizePlan:
 
     __slots__ = (
         "q",
+        "directions",
         "codecs",
         "twins",
         "own",
@@ -424,7 +425,7 @@ class QuantizePlan:
         dtype: torch.dtype,
         device: torch.device,
     ):
-        self.q = q
+        self.q, self.directions = q, directions
         self.derived = None
         if COLUMNWISE in directions and q.columnwise_from_rowwise():
             self._plan_derived(directions, shape, dtype, device)

@@ -150,6 +150,14 @@ class Operand:
             self.quantized, self.quantizer, self.codec, self.payload, self.format = False, None, None, None, "hp"
             self.shape2d = shape_2d(tensor.shape)
 
+    def with_payload(self, payload: dict | None) -> Operand:
+        """This quantized operand with another payload of the same layout (and no tensor)."""
+        op = Operand.__new__(Operand)
+        op.tensor, op.direction, op.transpose, op.device = None, self.direction, self.transpose, self.device
+        op.quantized, op.quantizer, op.codec, op.format = True, self.quantizer, self.codec, self.format
+        op.payload, op.shape2d = payload, self.shape2d
+        return op
+
     def logical_shape(self) -> tuple[int, int]:
         m, k = self.shape2d
         return (k, m) if self.transpose else (m, k)
@@ -192,6 +200,9 @@ class GemmPath:
     name: str
     supports: Callable[[Operand, Operand, torch.dtype], bool]
     run: Callable[[Operand, Operand, torch.dtype], torch.Tensor]
+    # ``run`` on the operands' payloads and transpose flags alone (``pa, pb, ta, tb, out_dtype``),
+    # for :func:`bind`: no Operand is built per call (host time)
+    run_payloads: Callable[..., torch.Tensor] | None = None
 
 
 def _shared_rotation(a: Operand, b: Operand) -> bool:
@@ -271,17 +282,15 @@ def _fp8_tensorwise_ok(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
     return m % 16 == 0 and k % 16 == 0 and n % 16 == 0 and out_dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _row_major(op: Operand) -> torch.Tensor:
-    """op(X)'s codes row-major. cuBLASLt FP8 wants A row-major and B column-major ("TN"): the
-    stored [M, K] codes are transposed here where the layout does not fit (else views)."""
-    d = op.payload["data"]
-    return kernels.transposed(d) if op.transpose else d.contiguous()
+def _row_major(data: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """op(X)'s codes row-major, from the stored [M, K] codes ``data``. cuBLASLt FP8 wants A row-major
+    and B column-major ("TN"): the codes are transposed here where the layout does not fit (else views)."""
+    return kernels.transposed(data) if transpose else data.contiguous()
 
 
-def _col_major(op: Operand) -> torch.Tensor:
+def _col_major(data: torch.Tensor, transpose: bool) -> torch.Tensor:
     """op(X)'s codes column-major (see _row_major)."""
-    d = op.payload["data"]
-    return d.contiguous().t() if op.transpose else kernels.transposed(d).t()
+    return data.contiguous().t() if transpose else kernels.transposed(data).t()
 
 
 def _scalar_fp32(s: torch.Tensor) -> torch.Tensor:
@@ -289,15 +298,18 @@ def _scalar_fp32(s: torch.Tensor) -> torch.Tensor:
     return s if s.dim() == 0 and s.dtype == torch.float32 else s.reshape(()).float()
 
 
-def _fp8_tensorwise(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
-    da, db = _row_major(a), _col_major(b)
+def _fp8_tensorwise_payloads(pa: dict, pb: dict, ta: bool, tb: bool, out_dtype: torch.dtype) -> torch.Tensor:
     return torch._scaled_mm(
-        da,
-        db,
-        scale_a=_scalar_fp32(a.payload["scale_inv"]),
-        scale_b=_scalar_fp32(b.payload["scale_inv"]),
+        _row_major(pa["data"], ta),
+        _col_major(pb["data"], tb),
+        scale_a=_scalar_fp32(pa["scale_inv"]),
+        scale_b=_scalar_fp32(pb["scale_inv"]),
         out_dtype=out_dtype,
     )
+
+
+def _fp8_tensorwise(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    return _fp8_tensorwise_payloads(a.payload, b.payload, a.transpose, b.transpose, out_dtype)
 
 
 def _row_scales(op: Operand, is_b: bool) -> bool:
@@ -356,7 +368,13 @@ def _fp8_rowwise(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor
     (m, _), (_, n) = a.logical_shape(), b.logical_shape()
     sa = a.payload["scale_inv"].float().reshape(-1, 1).expand(m, 1).contiguous()
     sb = b.payload["scale_inv"].float().reshape(1, -1).expand(1, n).contiguous()
-    return torch._scaled_mm(_row_major(a), _col_major(b), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+    return torch._scaled_mm(
+        _row_major(a.payload["data"], a.transpose),
+        _col_major(b.payload["data"], b.transpose),
+        scale_a=sa,
+        scale_b=sb,
+        out_dtype=out_dtype,
+    )
 
 
 def _contraction_dim(op: Operand, is_b: bool) -> int:
@@ -410,7 +428,7 @@ def _fp8_blockwise(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tens
     # 1x128 scales [m, k/128] column-major; B column-major with 1x128 scales [n, k/128]
     # column-major, or 128x128 scales [k/128 padded to a multiple of 4, n/128] column-major.
     F = torch.nn.functional
-    da, db = _row_major(a), _col_major(b)
+    da, db = _row_major(a.payload["data"], a.transpose), _col_major(b.payload["data"], b.transpose)
     sa = _colmajor(_scales_by_contraction(a, False).float())
     sb = _scales_by_contraction(b, True).float()
     if _block_kind(b, True) == "128x128":
@@ -424,7 +442,7 @@ def _fp8_blockwise(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tens
 
 
 PATHS: list[GemmPath] = [
-    GemmPath("fp8_tensorwise_scaled_mm", _fp8_tensorwise_ok, _fp8_tensorwise),
+    GemmPath("fp8_tensorwise_scaled_mm", _fp8_tensorwise_ok, _fp8_tensorwise, _fp8_tensorwise_payloads),
     GemmPath("fp8_blockwise_scaled_mm", _fp8_blockwise_ok, _fp8_blockwise),
     GemmPath("fp8_rowwise_scaled_mm", _fp8_rowwise_ok, _fp8_rowwise),
     GemmPath("emulated_bf16", _bf16_exact_ok, _emulated_bf16),
@@ -435,8 +453,8 @@ PATHS: list[GemmPath] = [
 _chosen: dict = {}  # (operand keys, out dtype) -> the path; a GEMM's path is decided once (host time)
 
 
-def mm(a: Operand, b: Operand, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``op(A) @ op(B)`` through the first path that supports this pairing."""
+def select(a: Operand, b: Operand, out_dtype: torch.dtype) -> GemmPath:
+    """The first path that supports this pairing (decided once per operand kind and shape)."""
     key = (a.key(), b.key(), out_dtype)
     path = _chosen.get(key)
     if path is None:
@@ -450,8 +468,44 @@ def mm(a: Operand, b: Operand, out_dtype: torch.dtype = torch.float32) -> torch.
         if len(_chosen) > 4096:
             _chosen.clear()
         _chosen[key] = path
+    return path
+
+
+def _record(name: str) -> None:
+    with _lock:
+        for rec in _recorders:
+            rec.append(name)
+
+
+def mm(a: Operand, b: Operand, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``op(A) @ op(B)`` through the first path that supports this pairing."""
+    path = select(a, b, out_dtype)
     if _recorders:
-        with _lock:
-            for rec in _recorders:
-                rec.append(path.name)
+        _record(path.name)
     return path.run(a, b, out_dtype)
+
+
+def bind(a: Operand, b: Operand, out_dtype: torch.dtype) -> Callable[[dict, dict], torch.Tensor]:
+    """:func:`mm` of operands like ``a`` and ``b`` (same formats, directions, transposes, shapes,
+    dtypes and device) as a function of their two payloads, its path chosen now: what a GEMM
+    that runs again and again with new payloads calls (``dtq.nn.linear_plan``). Keeps no tensor
+    of ``a`` or ``b``."""
+    path = select(a, b, out_dtype)
+    name = path.name
+    if path.run_payloads is not None:
+        run, ta, tb = path.run_payloads, a.transpose, b.transpose
+
+        def bound(pa: dict, pb: dict) -> torch.Tensor:
+            if _recorders:
+                _record(name)
+            return run(pa, pb, ta, tb, out_dtype)
+
+        return bound
+    like_a, like_b, run_ops = a.with_payload(None), b.with_payload(None), path.run
+
+    def bound_operands(pa: dict, pb: dict) -> torch.Tensor:
+        if _recorders:
+            _record(name)
+        return run_ops(like_a.with_payload(pa), like_b.with_payload(pb), out_dtype)
+
+    return bound_operands

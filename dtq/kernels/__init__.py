@@ -130,13 +130,24 @@ def build_dir() -> Path:
     return Path.home() / ".cache" / "dtq" / "kernels" / tag.replace("+", "_")
 
 
-def disabled_token() -> str | None:
-    """The ``DTQ_DISABLE_KERNELS`` setting as it is now: caches of kernel decisions key on it."""
-    return os.environ.get("DTQ_DISABLE_KERNELS")
+_DISABLE_VAR = "DTQ_DISABLE_KERNELS"
+# os.environ keeps the process environment in a plain dict of encoded keys and values (and its
+# setters update it): read there, the setting costs one dict lookup instead of os.environ's
+# Python-level encode / decode. It is read on every quantize and GEMM.
+_ENV_KEY = os.environ.encodekey(_DISABLE_VAR) if hasattr(os.environ, "encodekey") else None
+
+
+def disabled_token() -> object:
+    """The ``DTQ_DISABLE_KERNELS`` setting as it is now (compared only: caches of kernel
+    decisions key on it)."""
+    data = getattr(os.environ, "_data", None)
+    if _ENV_KEY is not None and data is not None:
+        return data.get(_ENV_KEY)
+    return os.environ.get(_DISABLE_VAR)
 
 
 def disabled() -> bool:
-    return os.environ.get("DTQ_DISABLE_KERNELS", "").strip().lower() not in ("", "0", "false", "no")
+    return os.environ.get(_DISABLE_VAR, "").strip().lower() not in ("", "0", "false", "no")
 
 
 def _load(verbose: bool = False):

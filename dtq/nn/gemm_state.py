@@ -203,6 +203,16 @@ class GemmSlots:
     module: weakref.ReferenceType | None = None
     weight_name: str = "weight"
     gemm: int = 0
+    # dtq.nn.linear_plan's plans of this GEMM's plain calls, per call shape
+    plans: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    @functools.cached_property
+    def plannable(self) -> bool:
+        """Whether plain calls of these slots can run planned (``dtq.nn.linear_plan``): every
+        operand quantized, current scaling, no backward override."""
+        return self.recipe.backward_override is None and all(
+            s.quantizer is not None and s.history is None for s in (self.sx, self.sw, self.sg)
+        )
 
     @property
     def override(self) -> str | None:

@@ -13,6 +13,7 @@ from dtq.distributed import tp
 from dtq.nn import _ops
 from dtq.nn._linear_fn import DequantizeWeight, LinearFn, WeightData
 from dtq.nn.gemm_state import GemmCall, GemmHandle, GemmSlots, GemmState, template_key
+from dtq.nn.linear_plan import PlannedLinearFn, plan_for
 from dtq.nn.slot import Slot
 from dtq.nn.state_dict import KEY_PATH, SEP, check_weight, weight_entries, weight_meta
 from dtq.recipe import QuantizerRole, Recipe
@@ -296,6 +297,8 @@ class QuantizedModule(torch.nn.Module):
                 call = GemmCall(slots, need_dgrad, need_wgrad, replay, sync, link)
             else:
                 call = slots.call(need_dgrad, need_wgrad)
+                if x_amax is None and slots.plannable and (plan := plan_for(call, x, weight)) is not None:
+                    return PlannedLinearFn.apply(x, weight, bias, plan)
             return LinearFn.apply(x, weight, bias, x_amax, call)
         group = layout.mesh.get_group()
         row_bias = None

@@ -1,5 +1,6 @@
 """The eager GEMM path's host-time shortcuts keep results bitwise: the per-slots GemmCall cache, the
-no-recipe path on the weight's plain data, outputs returned without a reshape."""
+planned calls (dtq.nn.linear_plan), the no-recipe path on the weight's plain data, outputs
+returned without a reshape."""
 
 import copy
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 import dtq
-import dtq.formats.base as fbase  # Quantizer.quantize / quantize_data look quantize_payloads up here
+from dtq.codec import QuantizePlan
 
 K, N = 64, 32
 
@@ -40,13 +41,13 @@ def test_cached_calls_follow_grad_mode_requires_grad_and_recipe(bias, monkeypatc
     asked for, down to the directions it quantizes: a cached GemmCall that kept another call's
     gradient flags or recipe would differ."""
     made = []
-    real = fbase.quantize_payloads
+    real = QuantizePlan.__call__
 
-    def spy(q, x, directions, amax=None, seed=None):
-        made.append((type(q).__name__, tuple(directions)))
-        return real(q, x, directions, amax=amax, seed=seed)
+    def spy(plan, xc, given, seed):  # every quantization, planned or not, runs a QuantizePlan
+        made.append((type(plan.q).__name__, plan.directions))
+        return real(plan, xc, given, seed)
 
-    monkeypatch.setattr(fbase, "quantize_payloads", spy)
+    monkeypatch.setattr(QuantizePlan, "__call__", spy)
     torch.manual_seed(0)
     module = dtq.nn.Linear(K, N, bias=bias, params_dtype=torch.bfloat16)
     x = torch.randn(32, K, dtype=torch.bfloat16)

@@ -1,0 +1,214 @@
+"""The eager fast path of a plain dtq GEMM call: what :func:`dtq.nn._linear_fn.linear_forward` and
+``linear_backward`` decide on every call (the quantize plan of each operand, the GEMM path of
+fprop, dgrad and wgrad, which payloads backward keeps) decided once per module GEMM, recipe,
+gradient combination, input shape and dtype, and weight kind. A step then runs the kernels with
+little Python around them: on a small GEMM the host time of that Python is the step's time.
+
+A plain call is one the general path would run without tensor parallelism, recompute, delayed
+scaling, a backward override, an amax reduction or a producer's amax, with every operand
+quantized. It computes the same kernels on the same values in the same order, so the bits are
+the general path's (``tests/nn/test_linear_plan.py`` compares them); anything else takes the
+general path."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from dtq import kernels
+from dtq.codec import _NO_AMAX, QuantizedData, QuantizePlan, _seed, quantize_plan, shape_2d
+from dtq.formats import COLUMNWISE, ROWWISE
+from dtq.gemm import Operand, bind
+from dtq.tensor import QuantizedTensor
+
+if TYPE_CHECKING:
+    from dtq.nn.gemm_state import GemmCall
+
+_unsafe_view = torch.ops.aten._unsafe_view.default
+
+
+def _dirs(rowwise: bool, columnwise: bool) -> tuple[str, ...]:
+    return tuple(d for d, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if on)
+
+
+def _hp_data(w: torch.Tensor) -> torch.Tensor:
+    """A high-precision weight's plain data, as ``Quantizer.quantize`` reads it."""
+    if hasattr(w, "__dtq_unwrap__"):
+        w = w.__dtq_unwrap__()
+    return w.detach() if w.requires_grad else w
+
+
+class LinearPlan:
+    """One planned GEMM call shape (see the module docstring). Built on a call's first run; the
+    GEMM paths are bound on their first use, from that call's operands."""
+
+    __slots__ = (
+        "call",
+        "qx",
+        "qw",
+        "qg",
+        "x_shape",
+        "x2d",
+        "w2d",
+        "g2d",
+        "x_dtype",
+        "out_shape",
+        "quantized_weight",
+        "w_quantizer",
+        "x_fields",
+        "w_fields",
+        "fprop",
+        "dgrad",
+        "wgrad",
+    )
+
+    def __init__(self, call: GemmCall, x: torch.Tensor, wl: torch.Tensor):
+        slots = call.slots
+        self.call = call
+        self.x_shape, self.x_dtype = x.shape, x.dtype
+        self.x2d, self.w2d = shape_2d(x.shape), (wl.shape[0], wl.shape[-1])
+        self.g2d = (self.x2d[0], self.w2d[0])
+        self.out_shape = (*x.shape[:-1], wl.shape[0])
+        dev = x.device
+        self.qx = quantize_plan(slots.sx.quantizer, _dirs(True, call.need_wgrad), self.x2d, x.dtype, dev)
+        self.quantized_weight = isinstance(wl, QuantizedTensor)
+        if self.quantized_weight:
+            self.qw, self.w_quantizer = None, wl.quantizer
+        else:
+            w = _hp_data(wl)
+            self.w_quantizer = slots.sw.quantizer
+            self.qw = quantize_plan(self.w_quantizer, _dirs(True, call.need_dgrad), self.w2d, w.dtype, dev)
+        g_dirs = _dirs(call.need_dgrad, call.need_wgrad)
+        self.qg = quantize_plan(slots.sg.quantizer, g_dirs, self.g2d, x.dtype, dev) if g_dirs else None
+        self.x_fields = self.w_fields = ()
+        self.fprop = self.dgrad = self.wgrad = None
+
+    def forward(self, x: torch.Tensor, wl: torch.Tensor, bias: torch.Tensor | None):
+        """``(y, tensors to save)`` as ``linear_forward`` computes them."""
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        px = _run(self.qx, x2)
+        pw = {ROWWISE: wl.payload(ROWWISE)} if self.quantized_weight else _run(self.qw, _hp_data(wl))
+        if self.fprop is None:
+            self._bind_forward(px, pw, x, wl, bias)
+        y = self.fprop(px[ROWWISE], pw[ROWWISE])
+        if bias is not None:
+            y = y + bias.to(torch.float32)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        if x.dim() != 2 or y._is_view() or not y.is_contiguous():
+            y = _unsafe_view(y.contiguous(), self.out_shape)
+        saved = [px[COLUMNWISE][k] for k in self.x_fields]
+        if self.w_fields:
+            saved += [pw[COLUMNWISE][k] for k in self.w_fields]
+        return y, saved
+
+    def _bind_forward(self, px: dict, pw: dict, x: torch.Tensor, wl: torch.Tensor, bias) -> None:
+        call = self.call
+        if call.need_wgrad:
+            self.x_fields = tuple(sorted(px[COLUMNWISE]))
+        if call.need_dgrad and not self.quantized_weight:
+            self.w_fields = tuple(sorted(pw[COLUMNWISE]))
+        self.fprop = bind(
+            _operand(self.qx.q, px, ROWWISE, self.x2d, x.dtype, x.device),
+            _operand(self.w_quantizer, pw, ROWWISE, self.w2d, wl.dtype, x.device, transpose=True),
+            torch.float32 if bias is not None else x.dtype,
+        )
+
+    def backward(self, dy: torch.Tensor, saved: tuple, wobj, w_dtype: torch.dtype, need_bgrad: bool):
+        """``(dx, dw, db)`` as ``linear_backward`` computes them."""
+        call = self.call
+        dy2 = (dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])).contiguous()
+        dx = dw = None
+        if self.qg is not None:
+            pg = _run(self.qg, dy2)
+            n = len(self.x_fields)
+            if call.need_dgrad:
+                if self.quantized_weight:
+                    pw = _weight_columnwise(call, wobj)
+                else:
+                    pw = dict(zip(self.w_fields, saved[n:]))
+                if self.dgrad is None:
+                    self.dgrad = bind(
+                        _operand(self.qg.q, pg, ROWWISE, self.g2d, dy.dtype, dy.device),
+                        _operand(self.w_quantizer, {COLUMNWISE: pw}, COLUMNWISE, self.w2d, w_dtype, dy.device),
+                        self.x_dtype,
+                    )
+                dx = self.dgrad(pg[ROWWISE], pw)
+            if call.need_wgrad:
+                px = dict(zip(self.x_fields, saved[:n]))
+                if self.wgrad is None:
+                    self.wgrad = bind(
+                        _operand(self.qg.q, pg, COLUMNWISE, self.g2d, dy.dtype, dy.device, transpose=True),
+                        _operand(self.qx.q, {COLUMNWISE: px}, COLUMNWISE, self.x2d, self.x_dtype, dy.device),
+                        w_dtype,
+                    )
+                dw = self.wgrad(pg[COLUMNWISE], px)
+        db = dy2.sum(0) if need_bgrad else None
+        if dx is not None and dx.shape != self.x_shape:
+            dx = dx.reshape(self.x_shape)
+        return dx, dw, db
+
+
+def _operand(q, payloads: dict, direction: str, shape2d, dtype, device, transpose: bool = False) -> Operand:
+    """An operand of a call, to choose and bind a GEMM path with (as the general path builds it)."""
+    return Operand(QuantizedData(shape2d, dtype, q, payloads, shape2d, device), direction, transpose)
+
+
+def _run(plan: QuantizePlan, x: torch.Tensor) -> dict:
+    """``plan``'s payloads of the 2-D ``x`` (``quantize_payloads`` without its lookups)."""
+    xc = (x.detach() if x.requires_grad else x).contiguous()
+    return plan(xc, _NO_AMAX, _seed(None, x) if plan.uses_rng else None)
+
+
+def _weight_columnwise(call: GemmCall, w: QuantizedTensor) -> dict:
+    if not w.has(COLUMNWISE):
+        raise RuntimeError(
+            f"dtq: {call.name}: the weight has no columnwise payload for dgrad (it holds "
+            f"{list(w.directions)}). Quantize the weight with both directions, or "
+            "train it under a recipe with backward_override"
+        )
+    return w.payload(COLUMNWISE)
+
+
+def plan_for(call: GemmCall, x: torch.Tensor, wl: torch.Tensor) -> LinearPlan | None:
+    """The cached plan of this call shape, or None where the general path must run (an input or
+    weight of another kind than planned ones, or a shape a format refuses: the general path then
+    raises its message)."""
+    if type(x) is not torch.Tensor or x.dim() < 2:
+        return None
+    w_kind = wl.quantizer if isinstance(wl, QuantizedTensor) else None
+    key = (call.need_dgrad, call.need_wgrad, x.shape, x.dtype, x.device, wl.shape, wl.dtype, w_kind)
+    plans = call.slots.plans
+    token = kernels.disabled_token()
+    hit = plans.get(key)
+    if hit is not None and hit[0] == token:
+        return hit[1]
+    try:
+        plan = LinearPlan(call, x, wl)
+    except ValueError:
+        return None
+    if len(plans) > 64:
+        plans.clear()
+    plans[key] = (token, plan)
+    return plan
+
+
+class PlannedLinearFn(torch.autograd.Function):
+    """:class:`dtq.nn._linear_fn.LinearFn` of a planned call."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, plan: LinearPlan):
+        y, saved = plan.forward(x, weight, bias)
+        ctx.save_for_backward(*saved)
+        ctx.plan = plan
+        ctx.wobj = weight if plan.quantized_weight else None
+        ctx.meta = (weight.dtype, bias is not None and bias.requires_grad)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        dx, dw, db = ctx.plan.backward(dy, ctx.saved_tensors, ctx.wobj, *ctx.meta)
+        return dx, dw, db, None

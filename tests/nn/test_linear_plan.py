@@ -1,0 +1,98 @@
+"""Planned GEMM calls (dtq.nn.linear_plan) give the general path's bits: output, dx, dw and db, for
+every built-in recipe the plan takes, high-precision and quantized weights, 2-D and 3-D inputs,
+every gradient combination and saved tensors moved to the CPU; recipes it cannot take run the
+general path."""
+
+import pytest
+import torch
+
+import dtq
+import dtq.nn.module as nn_module
+from dtq.presets import recipe_from_name
+
+PLANNED = [
+    "fp8",
+    "fp8-block",
+    "fp8-row",
+    "mxfp8",
+    "nvfp4",
+    "nvfp4_1d_weight",
+    "hybrid",
+    "hybrid-original",
+    "high_precision_fwd_mxfp8_bwd",
+]
+GENERAL = ["fp8-delayed", "mxfp8_fwd_high_precision_bwd"]
+
+
+def _bits(t):
+    return None if t is None else t.detach().contiguous().view(torch.uint8)
+
+
+def _run(module, x, recipe, planned: bool, monkeypatch, *, x_grad=True, offload=False):
+    with monkeypatch.context() as m:
+        if not planned:
+            m.setattr(nn_module, "plan_for", lambda *a: None)
+        torch.manual_seed(1)  # stochastic rounding draws the same seeds in both runs
+        x = x.detach().clone().requires_grad_(x_grad)
+        ctx = (
+            torch.autograd.graph.save_on_cpu()
+            if offload
+            else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        )
+        with ctx, dtq.autocast(recipe):
+            y = module(x)
+        y.float().pow(2).sum().backward()
+    out = [_bits(y), _bits(x.grad)] + [_bits(p.grad) for p in module.parameters()]
+    for p in module.parameters():
+        p.grad = None
+    return out
+
+
+def _module(bias: bool, quantized: bool, recipe):
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(64, 128, bias=bias, dtype=torch.bfloat16))
+    if quantized:
+        module = dtq.convert(module, recipe=recipe, quantized_params=True)
+        return module, module[0]
+    module = dtq.convert(module)
+    return module, module[0]
+
+
+@pytest.mark.parametrize("name", PLANNED)
+@pytest.mark.parametrize("bias", [False, True])
+def test_planned_calls_give_the_general_paths_bits(name, bias, monkeypatch):
+    recipe = recipe_from_name(name)
+    module, layer = _module(bias, False, recipe)
+    x = torch.randn(4, 16, 64, dtype=torch.bfloat16)
+    for x_grad, weight_grad, offload in [(True, True, False), (False, True, False), (True, False, True)]:
+        layer.weight.requires_grad_(weight_grad)
+        want = _run(module, x, recipe, False, monkeypatch, x_grad=x_grad, offload=offload)
+        got = _run(module, x, recipe, True, monkeypatch, x_grad=x_grad, offload=offload)
+        assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(got, want)), (name, x_grad)
+    plans = layer._slots(recipe, 0).plans
+    assert len(plans) == 3, plans  # one per gradient combination: the planned path ran
+
+
+@pytest.mark.parametrize("name", ["fp8", "mxfp8", "hybrid"])
+def test_planned_calls_with_quantized_weights(name, monkeypatch):
+    recipe = recipe_from_name(name)
+    module, layer = _module(True, True, recipe)
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    want = _run(module, x, recipe, False, monkeypatch)
+    got = _run(module, x, recipe, True, monkeypatch)
+    assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(got, want)), name
+    assert layer._slots(recipe, 0).plans
+
+
+@pytest.mark.parametrize("name", GENERAL)
+def test_recipes_the_plan_cannot_take_run_the_general_path(name, monkeypatch):
+    recipe = recipe_from_name(name)
+    module, layer = _module(False, False, recipe)
+    _run(module, torch.randn(32, 64, dtype=torch.bfloat16), recipe, True, monkeypatch)
+    assert not layer._slots(recipe, 0).plans
+
+
+def test_a_shape_the_format_refuses_raises_the_general_message():
+    layer = dtq.nn.Linear(48, 32, bias=False, params_dtype=torch.bfloat16, name="proj")
+    with pytest.raises(ValueError, match="MXFP8"), dtq.autocast(dtq.MXFP8BlockScaling()):
+        layer(torch.randn(8, 48, dtype=torch.bfloat16))
