@@ -24,6 +24,9 @@ PLANNED = [
 GENERAL = ["fp8-delayed", "mxfp8_fwd_high_precision_bwd"]
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # CUDA: the kernels and scaled GEMMs
+
+
 def _bits(t):
     return None if t is None else t.detach().contiguous().view(torch.uint8)
 
@@ -48,9 +51,9 @@ def _run(module, x, recipe, planned: bool, monkeypatch, *, x_grad=True, offload=
     return out
 
 
-def _module(bias: bool, quantized: bool, recipe):
+def _module(bias: bool, quantized: bool, recipe, device="cpu"):
     torch.manual_seed(0)
-    module = torch.nn.Sequential(torch.nn.Linear(64, 128, bias=bias, dtype=torch.bfloat16))
+    module = torch.nn.Sequential(torch.nn.Linear(64, 128, bias=bias, dtype=torch.bfloat16, device=device))
     if quantized:
         module = dtq.convert(module, recipe=recipe, quantized_params=True)
         return module, module[0]
@@ -58,12 +61,13 @@ def _module(bias: bool, quantized: bool, recipe):
     return module, module[0]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", PLANNED)
 @pytest.mark.parametrize("bias", [False, True])
-def test_planned_calls_give_the_general_paths_bits(name, bias, monkeypatch):
+def test_planned_calls_give_the_general_paths_bits(name, bias, device, monkeypatch):
     recipe = recipe_from_name(name)
-    module, layer = _module(bias, False, recipe)
-    x = torch.randn(4, 16, 64, dtype=torch.bfloat16)
+    module, layer = _module(bias, False, recipe, device)
+    x = torch.randn(4, 16, 64, dtype=torch.bfloat16, device=device)
     for x_grad, weight_grad, offload in [(True, True, False), (False, True, False), (True, False, True)]:
         layer.weight.requires_grad_(weight_grad)
         want = _run(module, x, recipe, False, monkeypatch, x_grad=x_grad, offload=offload)
@@ -73,11 +77,12 @@ def test_planned_calls_give_the_general_paths_bits(name, bias, monkeypatch):
     assert len(plans) == 3, plans  # one per gradient combination: the planned path ran
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["fp8", "mxfp8", "hybrid"])
-def test_planned_calls_with_quantized_weights(name, monkeypatch):
+def test_planned_calls_with_quantized_weights(name, device, monkeypatch):
     recipe = recipe_from_name(name)
-    module, layer = _module(True, True, recipe)
-    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    module, layer = _module(True, True, recipe, device)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, device=device)
     want = _run(module, x, recipe, False, monkeypatch)
     got = _run(module, x, recipe, True, monkeypatch)
     assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(got, want)), name
