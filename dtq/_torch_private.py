@@ -48,10 +48,17 @@ def _find(local_tensor: torch.Tensor):
             for fsdp_param in group.fsdp_params:
                 if fsdp_param._sharded_local_tensor is local_tensor:
                     return group, fsdp_param
-    raise RuntimeError(
-        "dtq: this tensor's fsdp_pre_all_gather was called, but no FSDP2 parameter group "
-        "holds it as a sharded parameter (is torch's FSDP2 layout different in this release?)"
-    )
+    return None, None
+
+
+def fsdp_holds(local_tensor: torch.Tensor) -> bool:
+    """Whether an FSDP2 parameter group holds ``local_tensor`` as a sharded parameter (a
+    tensor-parallel weight outside ``fully_shard`` is a DTensor that none holds)."""
+    cached = getattr(local_tensor, "_dtq_fsdp_refs", None)
+    fsdp_param = cached[1]() if cached is not None else None
+    if fsdp_param is not None and fsdp_param._sharded_local_tensor is local_tensor:
+        return True  # gather_context found it before
+    return _find(local_tensor)[1] is not None
 
 
 def gather_context(local_tensor: torch.Tensor) -> GatherContext:
@@ -62,6 +69,11 @@ def gather_context(local_tensor: torch.Tensor) -> GatherContext:
         group, fsdp_param = cached[0](), cached[1]()
     if group is None or fsdp_param is None or fsdp_param._sharded_local_tensor is not local_tensor:
         group, fsdp_param = _find(local_tensor)
+        if fsdp_param is None:
+            raise RuntimeError(
+                "dtq: this tensor's fsdp_pre_all_gather was called, but no FSDP2 parameter group "
+                "holds it as a sharded parameter (is torch's FSDP2 layout different in this release?)"
+            )
         local_tensor._dtq_fsdp_refs = (weakref.ref(group), weakref.ref(fsdp_param))
     leaf = fsdp_param._module_info.param_name
     prefix = group._module_fqn or ""

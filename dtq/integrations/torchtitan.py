@@ -10,9 +10,16 @@ loss calls ``lm_head`` itself). Its parameters stay high precision: they are the
 and FSDP2 gathers them quantized.
 
 :func:`post_optimizer_build_fn` (``ModelSpec.post_optimizer_build_fn``) runs each model part's
-forward inside ``dtq.autocast`` (delayed scaling: with the data x context parallel group as
-``amax_group``), refuses quantized parameters stepped by a plain optimizer, and ends every
-optimizer step with ``dtq.parallel.precompute_amax``.
+forward inside ``dtq.autocast`` (delayed scaling: with the data x context parallel group, and
+under tensor parallelism every rank, as ``amax_group``), refuses quantized parameters stepped by
+a plain optimizer, and ends every optimizer step with ``dtq.parallel.precompute_amax``.
+
+Under tensor parallelism (``tensor_parallel_degree > 1``) a :class:`DtqLinear` runs the colwise /
+rowwise sharding config torchtitan declares for it through dtq's own styles
+(``dtq.parallel.ColwiseParallel`` / ``RowwiseParallel``, mapped by
+:mod:`dtq.integrations._torchtitan_tp`): weights become DTensors on the TP mesh, the GEMMs run on
+the local shards, and a sequence shard declared as the layer's input, or as a rowwise output's
+destination, is gathered (the input; the output's gradient) quantized.
 
 The lines a torchtitan config adds (a ``config_registry`` function)::
 
@@ -22,12 +29,14 @@ The lines a torchtitan config adds (a ``config_registry`` function)::
         DtqConverter.Config(recipe="mxfp8", filter_fqns=["lm_head"])])
     config.model_spec.post_optimizer_build_fn = post_optimizer_build_fn
     config.parallelism.spmd_backend = "partial_dtensor"
+    config.parallelism.tensor_parallel_degree = 2  # optional: run by dtq's styles
 
-Not supported (refused, by name, when a :class:`DtqLinear` would meet them): torchtitan's own
-sharding of a layer's weight, i.e. tensor parallelism through its sharding configs and the
-"full_dtensor" / "spmd_types" backends. Quantized parameters need the weights' values before
-``fully_shard`` and torchtitan creates them after it, so this converter keeps high-precision
-parameters.
+Not supported (refused, by name, when a :class:`DtqLinear` would meet them): the "full_dtensor" /
+"spmd_types" backends, which distribute every parameter themselves; TP sharding configs that
+dtq's styles cannot run (a rowwise output left partial, a colwise output gathered, ``local_map``,
+...); a TP shard the recipe cannot quantize; delayed scaling under TP and pipeline parallelism
+together. Quantized parameters need the weights' values before ``fully_shard`` and torchtitan
+creates them after it, so this converter keeps high-precision parameters.
 """
 
 from __future__ import annotations
@@ -38,17 +47,19 @@ import os
 from typing import Any
 
 import torch
+from torch.distributed.tensor.parallel import parallelize_module
 from torchtitan.protocols.model import ModelConfigConverter
 from torchtitan.protocols.module import Module
 
 from dtq.autocast import autocast
 from dtq.convert import FILTERED, ConvertReport
 from dtq.integrations._common import check_master_weights, has_dtq_modules, precompute_after_steps
+from dtq.integrations._torchtitan_tp import tp_style
 from dtq.nn.linear import Linear
 from dtq.nn.module import QuantizedModule
 from dtq.presets import recipe_from_name
 from dtq.recipe import Recipe
-from dtq.shapes import linear_problem
+from dtq.shapes import linear_problem, shape_problems
 
 
 class DtqLinear(Linear, Module):
@@ -82,25 +93,49 @@ class DtqLinear(Linear, Module):
                     buf.zero_()
 
     def parallelize(self, parallel_dims: Any) -> None:
-        """torchtitan's config-driven sharding of this layer's own weight (tensor parallelism, or
-        the "full_dtensor" / "spmd_types" backends, which distribute every parameter themselves)
-        is not wired to dtq's quantized layouts: refuse it, by name, rather than run it unchecked.
-        Under "partial_dtensor" without tensor parallelism torchtitan leaves the weight to
-        ``fully_shard``, whose gathers dtq quantizes."""
+        """torchtitan's config-driven sharding of this layer. Under "partial_dtensor" without tensor
+        parallelism torchtitan leaves the weight to ``fully_shard``, whose gathers dtq quantizes;
+        with it, the layer's colwise / rowwise sharding config is run by dtq's own style (see
+        :mod:`dtq.integrations._torchtitan_tp`). The "full_dtensor" / "spmd_types" backends, which
+        distribute every parameter themselves, are refused by name."""
+        config = self._sharding_config
         backend = getattr(parallel_dims, "spmd_backend", "partial_dtensor")
-        if self._sharding_config is not None and (backend != "partial_dtensor" or parallel_dims.tp_enabled):
-            why = (
-                f"tensor_parallel_degree={parallel_dims.tp}"
-                if parallel_dims.tp_enabled
-                else f"spmd_backend={backend!r}"
-            )
+        if config is not None and backend != "partial_dtensor":
             raise NotImplementedError(
                 f"dtq.integrations.torchtitan: {self.name or 'a DtqLinear'} would be sharded by torchtitan's sharding "
-                f"config ({why}), which dtq does not support yet; set parallelism.spmd_backend = 'partial_dtensor' "
-                "and tensor_parallel_degree = 1 (FSDP2 / HSDP shard it, gathering quantized), or keep the layer "
-                "out with DtqConverter.Config(filter_fqns=[...])"
+                f"config (spmd_backend={backend!r}), which dtq does not support yet; set parallelism.spmd_backend = "
+                "'partial_dtensor' (FSDP2 / HSDP shard the weight and gather it quantized, tensor parallelism runs "
+                "dtq's styles), or keep the layer out with DtqConverter.Config(filter_fqns=[...])"
             )
-        Module.parallelize(self, parallel_dims)
+        if config is None or not parallel_dims.tp_enabled:
+            Module.parallelize(self, parallel_dims)
+            return
+        style = tp_style(config, self.name or "a DtqLinear", has_bias=self.bias is not None)
+        self._check_tp_shapes(style, parallel_dims)
+        self._sharding_config = None  # torchtitan's once-only guard runs, and finds nothing to shard itself
+        try:
+            Module.parallelize(self, parallel_dims)
+        finally:
+            self._sharding_config = config
+        parallelize_module(self, parallel_dims.get_mesh("tp"), style)
+
+    def _check_tp_shapes(self, style: Any, parallel_dims: Any) -> None:
+        """The recipe must quantize this rank's TP shard of the weight (and FSDP2's rows of it):
+        the converter checked the whole weight before torchtitan declared any sharding."""
+        recipe = self.gemm_state.default_recipe
+        problems = shape_problems(
+            self,
+            recipe,
+            fsdp_world=parallel_dims.dp_shard * parallel_dims.cp,
+            tp=parallel_dims.tp,
+            tp_dims={id(self): style.weight_dims},
+        )
+        if problems:
+            raise ValueError(
+                f"dtq.integrations.torchtitan: under tensor_parallel_degree={parallel_dims.tp}, "
+                f"{type(recipe).__name__} cannot quantize {problems[0]}; keep the layer out with "
+                "DtqConverter.Config(filter_fqns=[...])"
+            )
 
 
 def _convertible(cfg: Any) -> str | None:
@@ -209,10 +244,11 @@ def post_optimizer_build_fn(
 ) -> None:
     """torchtitan's ``ModelSpec.post_optimizer_build_fn``. For each model part with dtq modules:
     its forward runs inside ``dtq.autocast`` of the converter's recipe (a delayed-scaling recipe
-    with ``amax_group`` the data-parallel x context-parallel group, torchtitan's "loss" mesh, so
-    those ranks keep identical amax histories); every step of ``optimizers`` (an
-    ``OptimizersContainer``) ends with ``dtq.parallel.precompute_amax``, so the next forward's
-    FSDP2 all-gathers find their weight amaxes reduced in one all-reduce per process group.
+    with ``amax_group`` the data-parallel x context-parallel group, torchtitan's "loss" mesh, and
+    under tensor parallelism every rank, so those ranks keep identical amax histories); every
+    step of ``optimizers`` (an ``OptimizersContainer``) ends with ``dtq.parallel.precompute_amax``,
+    so the next forward's FSDP2 all-gathers find their weight amaxes reduced in one all-reduce per
+    process group.
     Quantized parameters stepped by a plain optimizer are refused (updates would round away)."""
     parts = [p for p in model_parts if has_dtq_modules(p)]
     for part in parts:
@@ -226,13 +262,25 @@ def post_optimizer_build_fn(
 
 def _amax_group(recipe: Recipe, parallel_dims: Any) -> Any:
     """Where delayed-scaling amax histories are kept identical: the data x context parallel
-    ranks (they run the same modules on different tokens); None for recipes without histories."""
+    ranks (they run the same modules on different tokens) and, under tensor parallelism, the TP
+    ranks too (they hold shares of the same weights and activations, and a sequence-parallel
+    gather quantizes every rank's rows with the one scale the histories give); None for recipes
+    without histories."""
     if not recipe.delayed:
         return None
+    dist = torch.distributed
+    if parallel_dims is not None and parallel_dims.tp_enabled:
+        if parallel_dims.pp_enabled:
+            raise NotImplementedError(
+                f"dtq.integrations.torchtitan: {type(recipe).__name__} (delayed scaling) under tensor_parallel_degree="
+                f"{parallel_dims.tp} and pipeline_parallel_degree={parallel_dims.pp} is not supported: its amax "
+                "histories must agree over the data, context and tensor parallel ranks of each pipeline stage; use "
+                "a current-scaling recipe (e.g. 'fp8', 'mxfp8') or no pipeline parallelism"
+            )
+        return dist.group.WORLD  # every rank runs the same modules
     if parallel_dims is not None:
         mesh = parallel_dims.get_optional_mesh("loss")
         return None if mesh is None else mesh.get_group()
-    dist = torch.distributed
     return dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
 
 

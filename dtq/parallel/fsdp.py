@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from dtq._torch_private import fsdp_gather_dtype, fsdp_shard_group, gather_context
+from dtq._torch_private import fsdp_gather_dtype, fsdp_holds, fsdp_shard_group, gather_context
 from dtq.autocast import active_recipe
 from dtq.distributed.amax import all_reduce_max, sharded_amaxes
 from dtq.distributed.gather import amax_key
@@ -35,8 +35,8 @@ def precompute_amax(model: torch.nn.Module, recipe=None) -> None:
         for leaf in module.weight_names():
             p = getattr(module, leaf)
             local = local_tensor(p) if isinstance(p, DTensor) else None
-            if not isinstance(local, HighPrecisionWeight):
-                continue
+            if not isinstance(local, HighPrecisionWeight) or not fsdp_holds(local):
+                continue  # not FSDP2-sharded (a tensor-parallel weight alone is quantized in its GEMM)
             q = module.weight_quantizer(leaf, rec)
             if q is None:
                 continue

@@ -10,6 +10,8 @@ gradients are reduce-scattered in high precision.
 
 Sequence parallelism splits activations along dim 0 (sequence-first ``[S, B, H]`` or flattened
 tokens ``[T, H]``); a norm outside a dtq module takes torch's ``SequenceParallel(sequence_dim=0)``.
+Batch-first activations ``[B, S, H]`` take ``sequence_dim=1``: the style moves that dim to the
+front around the module (dtq's gathers and reduce-scatters concatenate dim-0 rows) and back.
 Apply the styles to high-precision weights, then quantize them if wanted
 (``dtq.convert(model, recipe=..., quantized_params=True)`` after ``parallelize_module``).
 """
@@ -80,9 +82,14 @@ def _replicate_norm(norm: _Norm, mesh: DeviceMesh, sequence_parallel: bool) -> N
     norm.set_tensor_parallel(mesh, sequence_parallel)
 
 
+def _normalized(placement, ndim: int):
+    return Shard(placement.dim % ndim) if isinstance(placement, Shard) else placement
+
+
 def _to_local(x, mesh: DeviceMesh, placement):
     if isinstance(x, DTensor):
-        if tuple(x.placements) != (placement,):  # a high-precision collective: counted, warned
+        if tuple(_normalized(p, x.ndim) for p in x.placements) != (_normalized(placement, x.ndim),):
+            # a high-precision collective: counted, warned
             comm.record_fallback(
                 x.dtype,
                 x.numel() * x.element_size(),
@@ -95,21 +102,37 @@ def _to_local(x, mesh: DeviceMesh, placement):
     return x
 
 
+def _sequence_dim(style: _DtqStyle, module: torch.nn.Module, x: torch.Tensor) -> int:
+    """``style.sequence_dim`` as a dim of ``x`` (which must have one besides its features)."""
+    dim = style.sequence_dim % x.ndim if x.ndim else 0
+    if x.ndim < 2 or dim == x.ndim - 1:
+        raise ValueError(
+            f"dtq.parallel.{type(style).__name__}(sequence_dim={style.sequence_dim}): the input of "
+            f"{type(module).__name__} {getattr(module, 'name', '')!r} has shape {list(x.shape)}, whose dim "
+            f"{dim} is its feature dim; sequence_dim names the sequence dim ([S, B, H]: 0, [B, S, H]: 1)"
+        )
+    return dim
+
+
 class _DtqStyle(ParallelStyle):
     """Shared plumbing: input layout in, output layout out. ``weight_dims``: the dim of each GEMM
     weight the style splits over the mesh (0: output features, 1: input features), which also
-    gives the shapes a rank's GEMMs see before the style is applied (e.g. for shape checks)."""
+    gives the shapes a rank's GEMMs see before the style is applied (e.g. for shape checks).
+    ``sequence_dim``: the dim sequence parallelism splits (0: ``[S, B, H]`` or ``[T, H]``; 1:
+    ``[B, S, H]``, moved to the front around the module, a copy when B > 1)."""
 
     accepts: tuple[type, ...] = ()
     weight_dims: Mapping[str, int] = MappingProxyType({})
 
-    def __init__(self, *, sequence_parallel: bool = False, use_local_output: bool = True):
+    def __init__(self, *, sequence_parallel: bool = False, sequence_dim: int = 0, use_local_output: bool = True):
         super().__init__()
         self.sequence_parallel = sequence_parallel
+        self.sequence_dim = sequence_dim
         self.use_local_output = use_local_output
 
     def _check(self, module: torch.nn.Module) -> None:
-        if type(module) not in self.accepts:
+        # a subclass that keeps the forward (torchtitan's DtqLinear) runs the same GEMMs
+        if not any(isinstance(module, c) and type(module).forward is c.forward for c in self.accepts):
             names = ", ".join(f"dtq.nn.{c.__name__}" for c in self.accepts)
             raise TypeError(
                 f"dtq.parallel.{type(self).__name__} applies to {names}, not {type(module).__name__}; "
@@ -129,13 +152,19 @@ class _DtqStyle(ParallelStyle):
 
     def _hooks(self, module: torch.nn.Module, mesh: DeviceMesh) -> None:
         inp, out = self._input_placement(), self._output_placement()
+        moves = self.sequence_parallel and self.sequence_dim != 0
 
         def pre(mod, args, kwargs):
             if args:
-                args = (_to_local(args[0], mesh, inp), *args[1:])
+                x = _to_local(args[0], mesh, inp)
+                if moves:  # the module gathers / reduce-scatters dim-0 rows: the sequence goes first
+                    x = x.movedim(_sequence_dim(self, mod, x), 0)
+                args = (x, *args[1:])
             return args, kwargs
 
         def post(mod, args, output):
+            if moves:
+                output = output.movedim(0, _sequence_dim(self, mod, output))
             if self.use_local_output:
                 return output
             return DTensor.from_local(output, mesh, [out], run_check=False)
@@ -154,7 +183,7 @@ class ColwiseParallel(_DtqStyle):
     weight_dims = MappingProxyType({"weight": 0})
 
     def _input_placement(self):
-        return Shard(0) if self.sequence_parallel else Replicate()
+        return Shard(self.sequence_dim) if self.sequence_parallel else Replicate()
 
     def _output_placement(self):
         return Shard(-1)
@@ -183,7 +212,7 @@ class RowwiseParallel(_DtqStyle):
         return Shard(-1)
 
     def _output_placement(self):
-        return Shard(0) if self.sequence_parallel else Replicate()
+        return Shard(self.sequence_dim) if self.sequence_parallel else Replicate()
 
     def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
         self._check(module)
@@ -204,10 +233,10 @@ class LayerNormMLPParallel(_DtqStyle):
     weight_dims = MappingProxyType({"fc1_weight": 0, "fc2_weight": 1})
 
     def _input_placement(self):
-        return Shard(0) if self.sequence_parallel else Replicate()
+        return Shard(self.sequence_dim) if self.sequence_parallel else Replicate()
 
     def _output_placement(self):
-        return Shard(0) if self.sequence_parallel else Replicate()
+        return Shard(self.sequence_dim) if self.sequence_parallel else Replicate()
 
     def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
         self._check(module)

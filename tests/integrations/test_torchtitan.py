@@ -3,8 +3,9 @@
 torchtitan's model zoo (``torchtitan.models``) imports triton, which CPU builds of torch do not
 ship, so these tests build a tiny model from torchtitan's protocol classes (``Module``,
 ``BaseModel``, ``ModuleList``, ``ModelConfigConverter``, ``OptimizersContainer``, ``ParallelDims``)
-the way its trainer does: a config tree, converted, built on the meta device, FSDP2-sharded,
-materialized, initialized by ``init_weights``, trained by its optimizer container.
+the way its trainer does: a config tree, converted, built on the meta device, FSDP2-sharded (or
+tensor-parallelized by ``Module.parallelize`` from llama3's sharding configs), materialized,
+initialized by ``init_weights``, trained by its optimizer container.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import parallelize_module
 
 import dtq
 from dtq.autocast import autocast_active
@@ -30,13 +32,11 @@ def _data(n=32, out=H):
     return torch.randn(n, H, generator=g), torch.randn(n, out, generator=g)
 
 
-def _titan_model_config():
-    """A torchtitan-protocol config tree: two residual blocks and an output projection (100
-    outputs: no MX blocks fit), each Linear config carrying torchtitan's per-parameter init."""
-    from torchtitan.protocols.model import BaseModel
-    from torchtitan.protocols.module import Module, ModuleList
+def _titan_linear():
+    """torchtitan.models.common.linear.Linear's protocol: an nn.Linear built from its config."""
+    from torchtitan.protocols.module import Module
 
-    class TitanLinear(torch.nn.Linear, Module):  # torchtitan.models.common.linear.Linear's protocol
+    class TitanLinear(torch.nn.Linear, Module):
         @dataclasses.dataclass(kw_only=True, slots=True)
         class Config(Module.Config):
             in_features: int
@@ -46,7 +46,17 @@ def _titan_model_config():
         def __init__(self, config):
             super().__init__(config.in_features, config.out_features, bias=config.bias)
 
-    class Block(Module):
+    return TitanLinear
+
+
+def _titan_ffn(residual: bool):
+    """torchtitan's Linear protocol and a module of two of them, ``w2(relu(w1(x)))`` (plus ``x``
+    with ``residual``)."""
+    from torchtitan.protocols.module import Module
+
+    TitanLinear = _titan_linear()
+
+    class FeedForward(Module):
         @dataclasses.dataclass(kw_only=True, slots=True)
         class Config(Module.Config):
             w1: TitanLinear.Config
@@ -57,13 +67,23 @@ def _titan_model_config():
             self.w1, self.w2 = config.w1.build(), config.w2.build()
 
         def forward(self, x):
-            return x + self.w2(F.relu(self.w1(x)))
+            y = self.w2(F.relu(self.w1(x)))
+            return x + y if residual else y
+
+    return TitanLinear, FeedForward
+
+
+def _titan_tiny():
+    """A torchtitan ``BaseModel``: ``output(layers(enter(x)))`` (``enter`` optional)."""
+    from torchtitan.protocols.model import BaseModel
+    from torchtitan.protocols.module import Module, ModuleList
 
     class Tiny(BaseModel):
         @dataclasses.dataclass(kw_only=True, slots=True)
         class Config(BaseModel.Config):
             layers: list
-            output: TitanLinear.Config
+            output: Module.Config
+            enter: Module.Config | None = None
 
             def update_from_config(self, *, config, **kwargs):
                 pass
@@ -73,13 +93,26 @@ def _titan_model_config():
 
         def __init__(self, config):
             super().__init__()
+            self.enter = config.enter.build() if config.enter is not None else None
             self.layers = ModuleList([c.build() for c in config.layers])
             self.output = config.output.build()
 
         def forward(self, x):
+            x = self.enter(x) if self.enter is not None else x
             for layer in self.layers:
                 x = layer(x)
             return self.output(x)
+
+    return Tiny
+
+
+def _titan_model_config():
+    """A torchtitan-protocol config tree: two residual blocks and an output projection (100
+    outputs: no MX blocks fit), each Linear config carrying torchtitan's per-parameter init."""
+
+    TitanLinear, Block = _titan_ffn(residual=True)
+
+    Tiny = _titan_tiny()
 
     def linear(i, o):
         return TitanLinear.Config(
@@ -161,22 +194,267 @@ def test_torchtitan_converter_trains_under_fsdp2():
     spawn(_check_titan, 2, backend="gloo")
 
 
-def test_torchtitan_sharding_of_a_dtq_layer_is_refused():
+S, B, FFN = 32, 2, 2 * H  # batch-first activations [B, S, H], torchtitan's layout
+
+
+def _layouts():
+    """torchtitan.models.common.decoder_sharding's placements and its colwise / rowwise Linear
+    configs, as llama3 declares them (that module imports triton, so they are restated here)."""
+    import spmd_types as spmd
+    from torchtitan.distributed.parallel_dims import MeshAxisName, SpmdLayout
+    from torchtitan.protocols.sharding import ShardingConfig
+
+    DP, CP, TP = MeshAxisName.DP, MeshAxisName.CP, MeshAxisName.TP
+
+    def param(tp):
+        return SpmdLayout({DP: spmd.R, CP: spmd.R, TP: tp})
+
+    def act(tp):
+        return SpmdLayout({DP: spmd.S(0), CP: spmd.S(1), TP: tp})
+
+    sp = SpmdLayout({DP: spmd.V, CP: spmd.V, TP: spmd.V}, partition_spec=(DP, (CP, TP), None))
+
+    def colwise(**inputs):
+        return ShardingConfig(
+            state_shardings={"weight": param(spmd.S(0)), "bias": param(spmd.S(0))},
+            out_src_shardings=act(spmd.S(-1)),
+            **inputs,
+        )
+
+    def rowwise(output_sp):
+        return ShardingConfig(
+            state_shardings={"weight": param(spmd.S(1)), "bias": param(spmd.R)},
+            out_src_shardings=act(spmd.P),
+            out_dst_shardings=sp if output_sp else act(spmd.I),
+        )
+
+    return spmd, ShardingConfig, act, sp, colwise, rowwise
+
+
+def _titan_tp_model_config(sp: bool, linears: bool):
+    """A decoder-like torchtitan config tree with its TP sharding declared as llama3 does: the
+    activations between blocks are the sequence shard (``sp``) or replicated; each block's FFN
+    w1 is colwise and w2 rowwise (reduce-scattered back to the sequence shard under ``sp``). In
+    block 0 the FFN gathers its input itself (llama3's FFN boundary); in block 1 w1 declares
+    the sequence shard as its input, so the gather is w1's own. ``linears=False``: the Linear
+    configs declare nothing (the boundaries only), for dtq's styles applied by hand."""
+    from torchtitan.protocols.module import Module
+
+    spmd, ShardingConfig, act, sp_layout, colwise, rowwise = _layouts()
+    between = sp_layout if sp else act(spmd.R)
+    TitanLinear, FeedForward = _titan_ffn(residual=False)
+
+    class Boundary(Module):  # redistributes its input (torchtitan's embedding / final norm boundaries)
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(Module.Config):
+            pass
+
+        def __init__(self, config):
+            super().__init__()
+
+        def forward(self, x):
+            return x
+
+    class Block(Module):
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(Module.Config):
+            ffn: FeedForward.Config
+
+        def __init__(self, config):
+            super().__init__()
+            self.ffn = config.ffn.build()
+
+        def forward(self, x):
+            return x + self.ffn(x)
+
+    Tiny = _titan_tiny()
+
+    def linear(i, o, sharding=None):
+        init = {"weight": lambda p: torch.nn.init.trunc_normal_(p, std=0.05), "bias": torch.nn.init.zeros_}
+        return TitanLinear.Config(
+            in_features=i, out_features=o, bias=True, param_init=init, sharding_config=sharding if linears else None
+        )
+
+    def block(gather_in_w1):
+        w1_input = dict(in_src_shardings={"input": between}, in_dst_shardings={"input": act(spmd.R)})
+        ffn_input = dict(in_src_shardings={"x": between}, in_dst_shardings={"x": act(spmd.R)})
+        return Block.Config(
+            ffn=FeedForward.Config(
+                w1=linear(H, FFN, colwise(**(w1_input if gather_in_w1 else {}))),
+                w2=linear(FFN, H, rowwise(sp)),
+                sharding_config=None if gather_in_w1 else ShardingConfig(**ffn_input),
+            )
+        )
+
+    return Tiny.Config(
+        enter=Boundary.Config(
+            sharding_config=ShardingConfig(in_src_shardings={"x": act(spmd.R)}, in_dst_shardings={"x": between})
+        ),
+        layers=[block(False), block(sp)],
+        output=Boundary.Config(
+            sharding_config=ShardingConfig(in_src_shardings={"x": between}, in_dst_shardings={"x": act(spmd.R)})
+        ),
+    )
+
+
+def _hand_styles(sp: bool) -> dict:
+    """dtq's styles for the Linears of _titan_tp_model_config, picked by hand."""
+    out = dict(use_local_output=False)
+    return {
+        "layers.0.ffn.w1": dtq.parallel.ColwiseParallel(**out),
+        "layers.1.ffn.w1": dtq.parallel.ColwiseParallel(sequence_parallel=sp, sequence_dim=1, **out),
+        "layers.0.ffn.w2": dtq.parallel.RowwiseParallel(sequence_parallel=sp, sequence_dim=1, **out),
+        "layers.1.ffn.w2": dtq.parallel.RowwiseParallel(sequence_parallel=sp, sequence_dim=1, **out),
+    }
+
+
+def _full_weights(model) -> dict:
+    g = torch.Generator().manual_seed(3)
+    return {n: torch.randn(p.shape, generator=g) * 0.05 for n, p in model.named_parameters()}
+
+
+def _train_tp(sp: bool, how: str, parallel_dims, steps: int = 3, recipe: str = "mxfp8"):
+    """Build the model as torchtitan's trainer does and train it on the whole batch (the TP ranks
+    share it). ``how``: "titan" (torchtitan's sharding configs, run by the converter's
+    DtqLinear), "hand" (dtq's styles applied by hand), "single" (no tensor parallelism).
+    Returns the losses, the first step's output and the trained parameters, whole."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torchtitan.components.optimizer.optimizer import default_adamw
+
+    from dtq.integrations.torchtitan import DtqConverter, post_optimizer_build_fn
+
+    config = _titan_tp_model_config(sp, linears=how == "titan")
+    config = DtqConverter.Config(recipe=recipe, strict=True).build().convert(config)
+    with torch.device("meta"):
+        model = config.build()
+    if how != "single":
+        model.parallelize(parallel_dims)
+    if how == "hand":
+        parallelize_module(model, parallel_dims.get_mesh("tp"), _hand_styles(sp))
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()
+        for (n, p), full in zip(model.named_parameters(), _full_weights(model).values()):
+            local = distribute_tensor(full, p.device_mesh, p.placements).to_local() if isinstance(p, DTensor) else full
+            (p.to_local() if isinstance(p, DTensor) else p).copy_(local)
+    opt_config = default_adamw(lr=1e-2)
+    opt_config.implementation = "for-loop"
+    optimizers = opt_config.build(model_parts=[model])
+    post_optimizer_build_fn(optimizers, [model], parallel_dims)
+    x, y = (t.view(B, S, H) for t in _data(n=B * S))
+    losses, outs = [], []
+    for _ in range(steps):
+        out = model(x)
+        out = out.to_local() if isinstance(out, DTensor) else out
+        loss = F.mse_loss(out, y)
+        loss.backward()
+        optimizers.step()
+        optimizers.zero_grad()
+        losses.append(loss.item())
+        outs.append(out.detach())
+    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in model.named_parameters()}
+    return losses, outs[0], params, model
+
+
+def _check_titan_tp(rank, world):
+    import torchtitan.distributed.parallel_dims as titan_dims
+    from torch.distributed.tensor import Replicate, Shard
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    titan_dims.device_type = "cpu"  # torchtitan picks "cuda" on a CPU-only torch
+    dims = ParallelDims(
+        dp_replicate=1, dp_shard=1, cp=1, pp=1, ep=1, tp=world, world_size=world, spmd_backend="partial_dtensor"
+    )
+    for sp in (True, False):
+        dtq.parallel.comm_stats(reset=True)
+        losses, first, params, model = _train_tp(sp, "titan", dims)
+        stats = dtq.parallel.comm_stats(reset=True)
+        ffn = model.layers[1].ffn
+        assert type(ffn.w1).__name__ == "DtqLinear" and ffn.w1.weight.placements == (Shard(0),)
+        assert ffn.w2.weight.placements == (Shard(1),) and ffn.w2.bias.placements == (Replicate(),)
+        assert ffn.w1.weight.to_local().shape == (FFN // world, H), ffn.w1.weight.to_local().shape
+        assert losses[-1] < losses[0], losses
+        if sp:
+            # quantized sequence-parallel gathers only, per step: block 1's w1 input and both w2's
+            # output gradients, each [S, B, H] as MXFP8 (1 code byte + 1/32 scale byte per element)
+            # rowwise (fprop / dgrad) and columnwise (wgrad)
+            moved = 3 * 3 * S * B * H * 33 // 32
+            assert stats == {"mxfp8/rowwise": moved, "mxfp8/columnwise": moved}, stats
+        else:
+            assert stats == {}, stats  # no sequence shards: the row GEMMs all-reduce in high precision
+        # the same model with dtq's styles picked by hand runs the same ops: the same bits
+        hand_losses, hand_first, hand_params, _ = _train_tp(sp, "hand", dims)
+        assert losses == hand_losses, (losses, hand_losses)
+        assert torch.equal(first, hand_first)
+        for n, p in params.items():
+            assert torch.equal(p, hand_params[n]), n
+        # one process without tensor parallelism: only the row GEMMs' partial sums add up otherwise
+        single_losses, single_first, _, _ = _train_tp(sp, "single", dims, steps=1)
+        assert (first - single_first).norm() / single_first.norm() < 1e-5
+        assert abs(losses[0] - single_losses[0]) < 1e-5 * losses[0], (losses, single_losses)
+    # delayed scaling: the TP ranks hold shares of the same tensors (and a sequence-parallel
+    # gather quantizes every rank's rows with one scale), so their histories agree too
+    model = _train_tp(True, "titan", dims, steps=2, recipe="fp8-delayed")[3]
+    hist = torch.cat([b.flatten() for n, b in model.named_buffers() if "amax_history_" in n])
+    both = [torch.empty_like(hist) for _ in range(world)]
+    torch.distributed.all_gather(both, hist)
+    assert hist.abs().sum() > 0 and torch.equal(both[0], both[1])
+
+
+def test_torchtitan_tensor_parallel_runs_dtq_styles():
+    pytest.importorskip("torchtitan.protocols.model", reason="torchtitan is not installed")
+    spawn(_check_titan_tp, 2, backend="gloo")
+
+
+def test_torchtitan_sharding_dtq_cannot_run_is_refused():
+    """What dtq's styles cannot run stays refused, by the layer's name, before anything is sharded
+    (so before any process group is needed)."""
     pytest.importorskip("torchtitan.protocols.model", reason="torchtitan is not installed")
     from torchtitan.distributed.parallel_dims import ParallelDims
-    from torchtitan.protocols.sharding import ShardingConfig
+    from torchtitan.protocols.sharding import LocalMapConfig
 
     from dtq.integrations.torchtitan import DtqLinear
 
-    layer = DtqLinear.Config(
-        in_features=H, out_features=H, name="layers.0.wq", sharding_config=ShardingConfig(state_shardings={})
-    ).build()
-    dims = dict(dp_replicate=1, dp_shard=1, cp=1, pp=1, ep=1)
-    with pytest.raises(NotImplementedError, match=r"layers\.0\.wq would be sharded .*spmd_backend='spmd_types'"):
-        layer.parallelize(ParallelDims(tp=1, world_size=1, spmd_backend="spmd_types", **dims))
-    with pytest.raises(NotImplementedError, match=r"\(tensor_parallel_degree=2\).*filter_fqns"):
-        layer.parallelize(ParallelDims(tp=2, world_size=2, spmd_backend="partial_dtensor", **dims))
-    assert not hasattr(layer.weight, "device_mesh")  # nothing was sharded
+    spmd, ShardingConfig, act, sp, colwise, rowwise = _layouts()
+
+    def layer(sharding, out=H):
+        return DtqLinear.Config(in_features=H, out_features=out, name="layers.0.wq", sharding_config=sharding).build()
+
+    other = dict(dp_replicate=1, dp_shard=1, cp=1, pp=1, ep=1, tp=1, world_size=1)
+    for backend in ("spmd_types", "full_dtensor"):
+        with pytest.raises(NotImplementedError, match=rf"layers\.0\.wq would be sharded .*spmd_backend='{backend}'"):
+            layer(colwise()).parallelize(ParallelDims(spmd_backend=backend, **other))
+    dims = ParallelDims(**{**other, "tp": 2, "world_size": 2}, spmd_backend="partial_dtensor")
+    row = rowwise(False).state_shardings
+    refused = {  # what torchtitan would do -> why dtq's styles cannot
+        "colwise output all-gathered": (colwise(out_dst_shardings=act(spmd.R)), "output stays sharded on its feature"),
+        "rowwise output left partial": (
+            ShardingConfig(state_shardings=row, out_src_shardings=act(spmd.P)),
+            "sums the partial outputs itself",
+        ),
+        "rowwise input replicated": (
+            ShardingConfig(state_shardings=row, in_src_shardings={"input": act(spmd.R)}, out_dst_shardings=sp),
+            r"takes its input sharded on the feature dim \(weight S\(1\), input R -> None",
+        ),
+        "replicated weight": (ShardingConfig(state_shardings={"weight": act(spmd.R)}), "its weight is placed R on"),
+        "colwise GEMM on a sequence shard": (colwise(in_src_shardings={"input": sp}), "with a replicated destination"),
+        "local_map region": (colwise(local_map=LocalMapConfig(in_grad_placements=None)), "under local_map"),
+        "another argument": (colwise(in_src_shardings={"h": sp}), r"its input shardings name \['h'\]"),
+    }
+    for what, (sharding, why) in refused.items():
+        lin = layer(sharding)
+        with pytest.raises(NotImplementedError, match=rf"layers\.0\.wq has a tensor-parallel sharding config .*{why}"):
+            lin.parallelize(dims)
+        assert not hasattr(lin.weight, "device_mesh"), what  # nothing was sharded
+    with pytest.raises(ValueError, match=r"tensor_parallel_degree=2, MXFP8BlockScaling cannot quantize layers\.0\.wq"):
+        layer(colwise(), out=96).parallelize(dims)  # 48-row shards: no whole 32-row MXFP8 blocks
+    # delayed scaling under TP shares histories over every rank, which pipeline stages cannot
+    from dtq.integrations.torchtitan import post_optimizer_build_fn
+
+    delayed = DtqLinear.Config(in_features=H, out_features=H, recipe="fp8-delayed").build()
+    staged = ParallelDims(**{**other, "tp": 2, "pp": 2, "world_size": 4}, spmd_backend="partial_dtensor")
+    with pytest.raises(NotImplementedError, match=r"tensor_parallel_degree=2 and pipeline_parallel_degree=2 is not"):
+        post_optimizer_build_fn([torch.optim.SGD(delayed.parameters(), lr=0.1)], [delayed], staged)
 
 
 def test_torchtitan_converter_reports_and_strict(caplog):

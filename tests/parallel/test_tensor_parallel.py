@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 import dtq
@@ -163,6 +163,48 @@ def test_tensor_parallel_block_matches_single_process(sp):
     spawn(_tp_vs_single, 2, sp)
 
 
+def _batch_first(rank, world):
+    """``sequence_dim=1``: batch-first activations [B, S, H] split along S run the GEMMs of the
+    sequence-first layout (the sequence moved to the front around each module), so a colwise ->
+    rowwise pair passing DTensors gives the same bits as on [S, B, H], with quantized gathers only."""
+    dev = _device()
+    mesh = init_device_mesh(dev.type, (world,))
+    out = dict(sequence_parallel=True, use_local_output=False)
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1)).to(dev).chunk(world)[rank]
+    results = {}
+    for dim in (0, 1):
+        torch.manual_seed(0)
+        pair = torch.nn.Sequential(dtq.nn.Linear(H, FFN, name="up"), dtq.nn.Linear(FFN, H, name="down")).to(dev)
+        styles = {"0": dtq.parallel.ColwiseParallel, "1": dtq.parallel.RowwiseParallel}
+        parallelize_module(pair, mesh, {n: style(sequence_dim=dim, **out) for n, style in styles.items()})
+        xd = x.movedim(0, dim).detach().requires_grad_()  # this rank's sequence rows, in either layout
+        dtq.parallel.comm_stats(reset=True)
+        with dtq.autocast(dtq.MXFP8BlockScaling()):
+            y = pair(DTensor.from_local(xd, mesh, [Shard(dim)], run_check=False))
+        assert y.placements == (Shard(dim),) and y.to_local().shape == xd.shape
+        y.to_local().square().sum().backward()
+        stats = dtq.parallel.comm_stats(reset=True)
+        assert set(stats) == {"mxfp8/rowwise", "mxfp8/columnwise"}, stats  # the input and the gradient
+        results[dim] = (
+            y.to_local().movedim(dim, 0),
+            xd.grad.movedim(dim, 0),
+            [q.grad.to_local() for q in pair.parameters()],
+        )
+    (y0, dx0, g0), (y1, dx1, g1) = results[0], results[1]
+    assert torch.equal(y0, y1) and torch.equal(dx0, dx1)
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+    with pytest.raises(
+        ValueError,
+        match=r"RowwiseParallel\(sequence_dim=1\): the input of Linear 'down' has shape \[8, 128\], whose dim 1 is its "
+        "feature dim",
+    ):
+        pair[1](torch.randn(8, FFN // world, device=dev))
+
+
+def test_sequence_parallel_batch_first():
+    spawn(_batch_first, 2)
+
+
 def _build_2d(mesh, quantized_params: bool, recipe, seed: int = 0):
     torch.manual_seed(seed)
     model = Block().to(_device())
@@ -258,6 +300,13 @@ def _errors(rank, world):
     mesh = init_device_mesh(dev.type, (world,))
     with pytest.raises(TypeError, match="ColwiseParallel applies to dtq.nn.Linear, dtq.nn.LayerNormLinear, not Linear"):
         parallelize_module(torch.nn.Linear(8, 8), mesh, dtq.parallel.ColwiseParallel())
+
+    class OwnForward(dtq.nn.Linear):  # a subclass may run other GEMMs than the style splits
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    with pytest.raises(TypeError, match="RowwiseParallel applies to dtq.nn.Linear, not OwnForward"):
+        parallelize_module(OwnForward(8, 8), mesh, dtq.parallel.RowwiseParallel())
     if dev.type == "cuda":
         with pytest.raises(ValueError, match="weight is on cpu but the TP mesh is on cuda; move the module"):
             parallelize_module(dtq.nn.Linear(64, 64), mesh, dtq.parallel.ColwiseParallel())
