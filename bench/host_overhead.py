@@ -19,6 +19,7 @@ import time
 import torch
 
 import dtq
+import dtq.nn.module as nn_module
 from dtq import kernels
 from dtq.gemm import Operand, mm
 
@@ -80,6 +81,12 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="cProfile's top functions of each dtq Linear row")
     p.add_argument("--recipes", nargs="*", default=["fp8", "mxfp8", "fp8-block", "nvfp4"])
     p.add_argument("--compile", action="store_true", help="also torch.compile(fullgraph=True) each layer")
+    p.add_argument(
+        "--variants",
+        action="store_true",
+        help="also each dtq row through the general (unplanned) GEMM path, and every row with backward "
+        "run on the calling thread (torch.autograd.set_multithreading_enabled(False))",
+    )
     args = p.parse_args()
     n = args.size
     x = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
@@ -131,6 +138,20 @@ def main() -> None:
             print(f"  {'dtq.nn.Linear ' + name + ' bias=' + str(bias):36s} {us:8.1f} us  {us / ref:5.2f}x", flush=True)
             if args.profile and not bias:
                 profile(step, min(args.n, 500))
+            if args.variants and recipe is not None:
+                real, nn_module.plan_for = nn_module.plan_for, lambda *a: None
+                us = host_us(step, args.n)
+                nn_module.plan_for = real
+                label = f"dtq.nn.Linear {name} bias={bias} general"
+                print(f"  {label:36s} {us:8.1f} us  {us / ref:5.2f}x", flush=True)
+        if args.variants:  # the backward of a Python autograd.Function on autograd's device thread
+            with torch.autograd.set_multithreading_enabled(False):
+                ref1 = host_us(linear_step(ref_layer, xg, None), args.n)
+                print(f"  {'torch.nn.Linear 1 thread bias=' + str(bias):36s} {ref1:8.1f} us", flush=True)
+                for name in args.recipes:
+                    us = host_us(linear_step(layer, xg, all_recipes[name]), args.n)
+                    label = f"dtq.nn.Linear {name} 1 thread bias={bias}"
+                    print(f"  {label:36s} {us:8.1f} us  {us / ref1:5.2f}x", flush=True)
         if args.compile:
             ref_c = host_us(linear_step(torch.compile(ref_layer, fullgraph=True), xg, None), args.n)
             print(f"  {'torch.nn.Linear compiled bias=' + str(bias):36s} {ref_c:8.1f} us", flush=True)

@@ -5,8 +5,10 @@
     accelerate launch --use_fsdp --fsdp_version 2 --num_processes 2 examples/accelerate_train.py  # 2 GPUs
 
 Accelerate shards with FSDP2 on GPUs only; on CPU its multi-process mode is DDP (Accelerator finds
-torchrun's environment). The FSDP2 line, tried on one H100 with --mixed_precision bf16, gets through
-prepare but its first backward still fails (a BF16/FP32 dtype mismatch, not diagnosed yet).
+torchrun's environment). Under FSDP2 with --mixed_precision bf16 the model returns BF16 outputs
+(Accelerate sets FSDP2's output_dtype), so the loss takes them in FP32: on CUDA, mse_loss of a BF16
+input against an FP32 target fails in backward ("Found dtype Float but expected BFloat16"), with or
+without dtq.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def main() -> None:
     step = 0
     while step < args.steps:
         for xb, yb in loader:
-            loss = F.mse_loss(model(xb), yb)
+            loss = F.mse_loss(model(xb).float(), yb)  # BF16 outputs under FSDP2 mixed precision
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
