@@ -5,10 +5,10 @@ gradient combination, input shape and dtype, and weight kind. A step then runs t
 little Python around them: on a small GEMM the host time of that Python is the step's time.
 
 A plain call is one the general path would run without tensor parallelism, recompute, delayed
-scaling, a backward override, an amax reduction or a producer's amax, with every operand
-quantized. It computes the same kernels on the same values in the same order, so the bits are
-the general path's (``tests/nn/test_linear_plan.py`` compares them); anything else takes the
-general path."""
+scaling, a backward override or an amax reduction, with every operand quantized (amaxes its
+producers computed, ``x_amax`` and an ``AmaxLink``'s, are taken as the general path takes them).
+It computes the same kernels on the same values in the same order, so the bits are the general
+path's (``tests/nn/test_linear_plan.py`` compares them); anything else takes the general path."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from dtq import kernels
-from dtq.codec import _NO_AMAX, QuantizedData, QuantizePlan, _seed, quantize_plan, shape_2d
+from dtq.codec import _NO_AMAX, QuantizedData, QuantizePlan, _given_amaxes, _seed, quantize_plan, shape_2d
 from dtq.formats import COLUMNWISE, ROWWISE
 from dtq.gemm import Operand, bind
 from dtq.tensor import QuantizedTensor
@@ -85,10 +85,11 @@ class LinearPlan:
         self.x_fields = self.w_fields = ()
         self.fprop = self.dgrad = self.wgrad = None
 
-    def forward(self, x: torch.Tensor, wl: torch.Tensor, bias: torch.Tensor | None):
-        """``(y, tensors to save)`` as ``linear_forward`` computes them."""
+    def forward(self, x: torch.Tensor, wl: torch.Tensor, bias: torch.Tensor | None, x_amax: torch.Tensor | None):
+        """``(y, tensors to save)`` as ``linear_forward`` computes them (``x_amax``: max|x|, if its
+        producer computed it)."""
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        px = _run(self.qx, x2)
+        px = _run(self.qx, x2, self.call.slots.sx, x_amax)
         pw = {ROWWISE: wl.payload(ROWWISE)} if self.quantized_weight else _run(self.qw, _hp_data(wl))
         if self.fprop is None:
             self._bind_forward(px, pw, x, wl, bias)
@@ -116,13 +117,14 @@ class LinearPlan:
             torch.float32 if bias is not None else x.dtype,
         )
 
-    def backward(self, dy: torch.Tensor, saved: tuple, wobj, w_dtype: torch.dtype, need_bgrad: bool):
-        """``(dx, dw, db)`` as ``linear_backward`` computes them."""
+    def backward(self, dy: torch.Tensor, saved: tuple, wobj, link, w_dtype: torch.dtype, need_bgrad: bool):
+        """``(dx, dw, db)`` as ``linear_backward`` computes them (``link``: the call's AmaxLink)."""
         call = self.call
         dy2 = (dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])).contiguous()
         dx = dw = None
         if self.qg is not None:
-            pg = _run(self.qg, dy2)
+            known = link.take_grad_amax() if link is not None else None  # max|dy| from the next op's kernel
+            pg = _run(self.qg, dy2, call.slots.sg, known)
             n = len(self.x_fields)
             if call.need_dgrad:
                 if self.quantized_weight:
@@ -156,10 +158,17 @@ def _operand(q, payloads: dict, direction: str, shape2d, dtype, device, transpos
     return Operand(QuantizedData(shape2d, dtype, q, payloads, shape2d, device), direction, transpose)
 
 
-def _run(plan: QuantizePlan, x: torch.Tensor) -> dict:
-    """``plan``'s payloads of the 2-D ``x`` (``quantize_payloads`` without its lookups)."""
+def _run(plan: QuantizePlan, x: torch.Tensor, slot=None, known: torch.Tensor | None = None) -> dict:
+    """``plan``'s payloads of the 2-D ``x`` (``quantize_payloads`` without its lookups); ``known``:
+    max|x| computed by x's producer, used as ``Slot.quantize`` uses it."""
     xc = (x.detach() if x.requires_grad else x).contiguous()
-    return plan(xc, _NO_AMAX, _seed(None, x) if plan.uses_rng else None)
+    given = _NO_AMAX
+    if known is not None:
+        rowwise, columnwise = ROWWISE in plan.directions, COLUMNWISE in plan.directions
+        amax = slot._known_amax(x, known, rowwise, columnwise)
+        if amax:
+            given = _given_amaxes(plan.q, plan, amax, tuple(xc.shape), xc.device)
+    return plan(xc, given, _seed(None, x) if plan.uses_rng else None)
 
 
 def _weight_columnwise(call: GemmCall, w: QuantizedTensor) -> dict:
@@ -199,10 +208,10 @@ class PlannedLinearFn(torch.autograd.Function):
     """:class:`dtq.nn._linear_fn.LinearFn` of a planned call."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, plan: LinearPlan):
-        y, saved = plan.forward(x, weight, bias)
+    def forward(ctx, x, weight, bias, plan: LinearPlan, x_amax, link):
+        y, saved = plan.forward(x, weight, bias, x_amax)
         ctx.save_for_backward(*saved)
-        ctx.plan = plan
+        ctx.plan, ctx.link = plan, link
         ctx.wobj = weight if plan.quantized_weight else None
         ctx.meta = (weight.dtype, bias is not None and bias.requires_grad)
         return y
@@ -210,5 +219,5 @@ class PlannedLinearFn(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        dx, dw, db = ctx.plan.backward(dy, ctx.saved_tensors, ctx.wobj, *ctx.meta)
-        return dx, dw, db, None
+        dx, dw, db = ctx.plan.backward(dy, ctx.saved_tensors, ctx.wobj, ctx.link, *ctx.meta)
+        return dx, dw, db, None, None, None

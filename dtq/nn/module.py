@@ -297,8 +297,8 @@ class QuantizedModule(torch.nn.Module):
                 call = GemmCall(slots, need_dgrad, need_wgrad, replay, sync, link)
             else:
                 call = slots.call(need_dgrad, need_wgrad)
-                if x_amax is None and slots.plannable and (plan := plan_for(call, x, weight)) is not None:
-                    return PlannedLinearFn.apply(x, weight, bias, plan)
+            if not replay and sync is None and slots.plannable and (plan := plan_for(call, x, weight)) is not None:
+                return PlannedLinearFn.apply(x, weight, bias, plan, x_amax, link)
             return LinearFn.apply(x, weight, bias, x_amax, call)
         group = layout.mesh.get_group()
         row_bias = None

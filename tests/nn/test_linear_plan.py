@@ -101,3 +101,18 @@ def test_a_shape_the_format_refuses_raises_the_general_message():
     layer = dtq.nn.Linear(48, 32, bias=False, params_dtype=torch.bfloat16, name="proj")
     with pytest.raises(ValueError, match="MXFP8"), dtq.autocast(dtq.MXFP8BlockScaling()):
         layer(torch.randn(8, 48, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["fp8", "mxfp8"])
+def test_planned_layernorm_mlp_with_the_swiglu_amax_link(name, device, monkeypatch):
+    """LayerNormMLP's SwiGLU hands max|h| to fc2 and max|d(fc1 out)| to fc1's backward (on CUDA,
+    from its fused kernel): the planned calls take them as the general path does."""
+    recipe = recipe_from_name(name)
+    torch.manual_seed(0)
+    mlp = dtq.nn.LayerNormMLP(64, 128, activation="swiglu", params_dtype=torch.bfloat16, device=device)
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16, device=device)
+    want = _run(mlp, x, recipe, False, monkeypatch)
+    got = _run(mlp, x, recipe, True, monkeypatch)
+    assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(got, want)), name
+    assert mlp._slots(recipe, 0).plans and mlp._slots(recipe, 1).plans
