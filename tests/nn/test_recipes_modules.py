@@ -7,6 +7,7 @@ import torch
 
 import dtq
 import dtq.formats.base as fbase  # Quantizer.quantize / quantize_data look quantize_payloads up here
+from dtq.codec import QuantizePlan
 
 TOKENS, K, N = 64, 64, 96
 
@@ -197,7 +198,8 @@ def test_convert_names_roles_by_fqn_and_keeps_parameters():
 
 
 def _spy_quantize(monkeypatch, note):
-    """Call ``note(directions, amax)`` on every quantization dtq performs."""
+    """Call ``note(directions, amax)`` on every quantization of dtq's general path (planned GEMM
+    calls, which take no delayed scaling, skip this entry point)."""
     real = fbase.quantize_payloads
 
     def spy(q, x, directions, amax=None, seed=None):
@@ -208,8 +210,15 @@ def _spy_quantize(monkeypatch, note):
 
 
 def _spy_directions(monkeypatch):
+    """The directions of every quantization, planned GEMM calls' included (each runs a QuantizePlan)."""
     made = []
-    _spy_quantize(monkeypatch, lambda directions, amax: made.extend(directions))
+    real = QuantizePlan.__call__
+
+    def spy(plan, xc, given, seed):
+        made.extend(plan.directions)
+        return real(plan, xc, given, seed)
+
+    monkeypatch.setattr(QuantizePlan, "__call__", spy)
     return made
 
 
