@@ -189,6 +189,16 @@ def linear_forward(
     return y, (saved_x if call.need_wgrad else None), (saved_w if call.need_dgrad else None)
 
 
+def check_weight_columnwise(call: GemmCall, w) -> None:
+    """dgrad reads a quantized weight's columnwise payload: say so where it has none."""
+    if not w.has(COLUMNWISE):
+        raise RuntimeError(
+            f"dtq: {call.name}: the weight has no columnwise payload for dgrad (it holds "
+            f"{list(w.directions)}). Quantize the weight with both directions, or "
+            "train it under a recipe with backward_override"
+        )
+
+
 def linear_backward(
     call: GemmCall,
     dy: torch.Tensor,
@@ -213,12 +223,8 @@ def linear_backward(
             dy2, rowwise=need_dgrad, columnwise=need_wgrad, group=scatter, sync=call.amax_sync, known_amax=known
         )
         if need_dgrad:
-            if isinstance(saved_w, QUANTIZED) and not saved_w.has(COLUMNWISE):
-                raise RuntimeError(
-                    f"dtq: {call.name}: the weight has no columnwise payload for dgrad (it holds "
-                    f"{list(saved_w.directions)}). Quantize the weight with both directions, or "
-                    "train it under a recipe with backward_override"
-                )
+            if isinstance(saved_w, QUANTIZED):
+                check_weight_columnwise(call, saved_w)
             dx = mm(Operand(gq, ROWWISE), Operand(saved_w, COLUMNWISE), x_dtype)
         if need_wgrad:
             dw = mm(Operand(gq, COLUMNWISE, transpose=True), Operand(saved_x, COLUMNWISE), w_dtype)

@@ -21,6 +21,7 @@ from dtq import kernels
 from dtq.codec import _NO_AMAX, QuantizedData, QuantizePlan, _given_amaxes, _seed, quantize_plan, shape_2d
 from dtq.formats import COLUMNWISE, ROWWISE
 from dtq.gemm import Operand, bind
+from dtq.nn._linear_fn import check_weight_columnwise
 from dtq.tensor import QuantizedTensor
 
 if TYPE_CHECKING:
@@ -172,12 +173,7 @@ def _run(plan: QuantizePlan, x: torch.Tensor, slot=None, known: torch.Tensor | N
 
 
 def _weight_columnwise(call: GemmCall, w: QuantizedTensor) -> dict:
-    if not w.has(COLUMNWISE):
-        raise RuntimeError(
-            f"dtq: {call.name}: the weight has no columnwise payload for dgrad (it holds "
-            f"{list(w.directions)}). Quantize the weight with both directions, or "
-            "train it under a recipe with backward_override"
-        )
+    check_weight_columnwise(call, w)
     return w.payload(COLUMNWISE)
 
 

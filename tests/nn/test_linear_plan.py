@@ -116,3 +116,18 @@ def test_planned_layernorm_mlp_with_the_swiglu_amax_link(name, device, monkeypat
     got = _run(mlp, x, recipe, True, monkeypatch)
     assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(got, want)), name
     assert mlp._slots(recipe, 0).plans and mlp._slots(recipe, 1).plans
+
+
+@pytest.mark.parametrize("planned", [True, False])
+def test_a_quantized_weight_without_columnwise_payload_is_named_in_dgrad(planned, monkeypatch):
+    layer = dtq.nn.Linear(64, 32, bias=False, params_dtype=torch.bfloat16, name="blocks.0.proj")
+    rowwise_only = dtq.Float8Quantizer().quantize(layer.weight.detach().__dtq_unwrap__(), columnwise=False)
+    layer.weight = torch.nn.Parameter(rowwise_only, requires_grad=False)
+    if not planned:
+        monkeypatch.setattr(nn_module, "plan_for", lambda *a: None)
+    x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+    with dtq.autocast(dtq.Float8CurrentScaling()):
+        y = layer(x)
+    assert bool(layer._slots(dtq.Float8CurrentScaling(), 0).plans) == planned
+    with pytest.raises(RuntimeError, match=r"Linear 'blocks\.0\.proj'.*no columnwise payload for dgrad"):
+        y.sum().backward()
