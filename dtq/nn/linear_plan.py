@@ -18,7 +18,17 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from dtq import kernels
-from dtq.codec import _NO_AMAX, QuantizedData, QuantizePlan, _given_amaxes, _seed, quantize_plan, shape_2d
+from dtq.codec import (
+    _NO_AMAX,
+    QuantizedData,
+    QuantizePlan,
+    _given_amaxes,
+    _seed,
+    as_2d,
+    quantize_plan,
+    shape_2d,
+    wanted_directions,
+)
 from dtq.formats import COLUMNWISE, ROWWISE
 from dtq.gemm import Operand, bind
 from dtq.nn._linear_fn import check_weight_columnwise
@@ -28,17 +38,6 @@ if TYPE_CHECKING:
     from dtq.nn.gemm_state import GemmCall
 
 _unsafe_view = torch.ops.aten._unsafe_view.default
-
-
-def _dirs(rowwise: bool, columnwise: bool) -> tuple[str, ...]:
-    return tuple(d for d, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if on)
-
-
-def _hp_data(w: torch.Tensor) -> torch.Tensor:
-    """A high-precision weight's plain data, as ``Quantizer.quantize`` reads it."""
-    if hasattr(w, "__dtq_unwrap__"):
-        w = w.__dtq_unwrap__()
-    return w.detach() if w.requires_grad else w
 
 
 class LinearPlan:
@@ -73,15 +72,15 @@ class LinearPlan:
         self.g2d = (self.x2d[0], self.w2d[0])
         self.out_shape = (*x.shape[:-1], wl.shape[0])
         dev = x.device
-        self.qx = quantize_plan(slots.sx.quantizer, _dirs(True, call.need_wgrad), self.x2d, x.dtype, dev)
+        self.qx = quantize_plan(slots.sx.quantizer, wanted_directions(True, call.need_wgrad), self.x2d, x.dtype, dev)
         self.quantized_weight = isinstance(wl, QuantizedTensor)
         if self.quantized_weight:
             self.qw, self.w_quantizer = None, wl.quantizer
         else:
-            w = _hp_data(wl)
             self.w_quantizer = slots.sw.quantizer
-            self.qw = quantize_plan(self.w_quantizer, _dirs(True, call.need_dgrad), self.w2d, w.dtype, dev)
-        g_dirs = _dirs(call.need_dgrad, call.need_wgrad)
+            self.qw = quantize_plan(self.w_quantizer, wanted_directions(True, call.need_dgrad), self.w2d, wl.dtype, dev)
+        need_g = call.need_dgrad or call.need_wgrad
+        g_dirs = wanted_directions(call.need_dgrad, call.need_wgrad) if need_g else ()
         self.qg = quantize_plan(slots.sg.quantizer, g_dirs, self.g2d, x.dtype, dev) if g_dirs else None
         self.x_fields = self.w_fields = ()
         self.fprop = self.dgrad = self.wgrad = None
@@ -91,7 +90,7 @@ class LinearPlan:
         producer computed it)."""
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         px = _run(self.qx, x2, self.call.slots.sx, x_amax)
-        pw = {ROWWISE: wl.payload(ROWWISE)} if self.quantized_weight else _run(self.qw, _hp_data(wl))
+        pw = {ROWWISE: wl.payload(ROWWISE)} if self.quantized_weight else _run(self.qw, as_2d(wl, self.w_quantizer))
         if self.fprop is None:
             self._bind_forward(px, pw, x, wl, bias)
         y = self.fprop(px[ROWWISE], pw[ROWWISE])
