@@ -131,3 +131,39 @@ def test_a_quantized_weight_without_columnwise_payload_is_named_in_dgrad(planned
     assert bool(layer._slots(dtq.Float8CurrentScaling(), 0).plans) == planned
     with pytest.raises(RuntimeError, match=r"Linear 'blocks\.0\.proj'.*no columnwise payload for dgrad"):
         y.sum().backward()
+
+
+def _check_fsdp2_planned_equals_general(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import tests.parallel.test_sharded_equals_single as ses
+
+    mesh = init_device_mesh("cpu", (world,))
+    for name in ("fp8", "hybrid"):
+        recipe = recipe_from_name(name)
+        for qp in (False, True):  # FSDP2 gathers quantized payloads of high-precision shards / quantized params
+            runs = []
+            for planned in (True, False):
+                nn_module.plan_for = _REAL_PLAN_FOR if planned else (lambda *a: None)
+                model = ses._model(recipe, qp, recompute=False)
+                ses._shard(model, mesh, "linear", True)
+                torch.manual_seed(3)
+                runs.append((ses._train(model, recipe, qp, precompute=not qp), ses._state(model)))
+                if planned:
+                    assert model[0].fc1._slots(recipe, 0).plans, (name, qp)  # the planned path ran
+            nn_module.plan_for = _REAL_PLAN_FOR
+            (got, got_state), (want, want_state) = runs
+            assert torch.equal(ses._bits(got), ses._bits(want)), (name, qp, got.tolist(), want.tolist())
+            assert got_state.keys() == want_state.keys()
+            assert all(torch.equal(got_state[k], want_state[k]) for k in got_state), (name, qp)
+
+
+_REAL_PLAN_FOR = nn_module.plan_for
+
+
+def test_fsdp2_training_planned_equals_general_2_ranks():
+    """Under FSDP2 (gathered quantized weights, refilled by the backward gather) planned calls
+    train bitwise as the general path does: losses, parameters and buffers of every rank."""
+    from dtq.testing import spawn
+
+    spawn(_check_fsdp2_planned_equals_general, 2, backend="gloo")
