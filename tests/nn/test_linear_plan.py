@@ -139,23 +139,23 @@ def _check_fsdp2_planned_equals_general(rank, world):
     import tests.parallel.test_sharded_equals_single as ses
 
     mesh = init_device_mesh("cpu", (world,))
-    for name in ("fp8", "hybrid"):
+    # FSDP2 gathers quantized payloads of quantized params / of high-precision shards (suite time: two of four)
+    for name, qp in (("fp8", True), ("hybrid", False)):
         recipe = recipe_from_name(name)
-        for qp in (False, True):  # FSDP2 gathers quantized payloads of high-precision shards / quantized params
-            runs = []
-            for planned in (True, False):
-                nn_module.plan_for = _REAL_PLAN_FOR if planned else (lambda *a: None)
-                model = ses._model(recipe, qp, recompute=False)
-                ses._shard(model, mesh, "linear", True)
-                torch.manual_seed(3)
-                runs.append((ses._train(model, recipe, qp, precompute=not qp), ses._state(model)))
-                if planned:
-                    assert model[0].fc1._slots(recipe, 0).plans, (name, qp)  # the planned path ran
-            nn_module.plan_for = _REAL_PLAN_FOR
-            (got, got_state), (want, want_state) = runs
-            assert torch.equal(ses._bits(got), ses._bits(want)), (name, qp, got.tolist(), want.tolist())
-            assert got_state.keys() == want_state.keys()
-            assert all(torch.equal(got_state[k], want_state[k]) for k in got_state), (name, qp)
+        runs = []
+        for planned in (True, False):
+            nn_module.plan_for = _REAL_PLAN_FOR if planned else (lambda *a: None)
+            model = ses._model(recipe, qp, recompute=False)
+            ses._shard(model, mesh, "linear", True)
+            torch.manual_seed(3)
+            runs.append((ses._train(model, recipe, qp, precompute=not qp), ses._state(model)))
+            if planned:
+                assert model[0].fc1._slots(recipe, 0).plans, (name, qp)  # the planned path ran
+        nn_module.plan_for = _REAL_PLAN_FOR
+        (got, got_state), (want, want_state) = runs
+        assert torch.equal(ses._bits(got), ses._bits(want)), (name, qp, got.tolist(), want.tolist())
+        assert got_state.keys() == want_state.keys()
+        assert all(torch.equal(got_state[k], want_state[k]) for k in got_state), (name, qp)
 
 
 _REAL_PLAN_FOR = nn_module.plan_for
