@@ -6,6 +6,7 @@ ratios to BF16 and to torchao.
     python bench/bench_e2e.py                                  # hidden 2048 (4 layers) and 4096 (2)
     python bench/bench_e2e.py --hidden 1024 --layers 8 --seq 2048
     python bench/bench_e2e.py --recipes fp8 mxfp8 --no-eager --out bench/results/e2e.json
+    python bench/bench_e2e.py --hidden 1024 --layers 8 --seq 2048 --size-rule   # + dtq.SizeRule rows
     python bench/bench_e2e.py --smoke                           # tiny, any device: the script runs
 
 Each layer: RMSNorm, q/k/v/o ``nn.Linear`` (head dim 128), causal SDPA, residual, RMSNorm, SwiGLU
@@ -15,7 +16,8 @@ Compiled variants compile each decoder block (``torch.compile(block)``, as torch
 trainer do); dtq's GEMMs are custom ops inside those graphs. torchao rows use
 ``convert_to_float8_training`` (tensorwise and rowwise recipes), compiled the same way. Timing:
 CUDA events around ``--inner`` back-to-back steps after ``--warmup`` steps, median of ``--iters``
-samples. A variant that fails prints its error in its row; the others still run.
+samples (with ``--rounds R``: every variant built first, then timed in turn R times, all at once
+in memory). A variant that fails prints its error in its row; the others still run.
 """
 
 from __future__ import annotations
@@ -99,7 +101,8 @@ def torchao_variants(base: Stack) -> dict:
     return out
 
 
-def time_variant(build, recipe, x, args, device) -> dict:
+def prepare(build, recipe, x, args, device):
+    """Build a variant and run its warm-up steps; returns its step function."""
     model = build()
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
@@ -113,6 +116,11 @@ def time_variant(build, recipe, x, args, device) -> dict:
 
     for _ in range(args.warmup):
         step()
+    return step
+
+
+def sample(step, args, device) -> list[float]:
+    """``--iters`` timings (ms per step) of ``--inner`` back-to-back steps each."""
     samples = []
     for _ in range(args.iters):
         if device.type == "cuda":
@@ -129,10 +137,40 @@ def time_variant(build, recipe, x, args, device) -> dict:
             for _ in range(args.inner):
                 step()
             samples.append((time.perf_counter() - t0) * 1e3 / args.inner)
+    return samples
+
+
+def time_variant(build, recipe, x, args, device) -> dict:
+    step = prepare(build, recipe, x, args, device)
+    samples = sample(step, args, device)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
     if args.profile:
         print_kernels(step, device, args.profile)
     return {"ms": statistics.median(samples), "peak_gib": peak}
+
+
+def time_interleaved(variants: dict, x, args, device) -> dict:
+    """``--rounds`` > 1: every variant is built and warmed up first, then timed in turn, round after
+    round, so that drift (clocks, temperature, the allocator) spreads over all of them alike; the
+    median over all rounds' samples. Peak memory is each variant's during its warm-up."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    steps, rows = {}, {}
+    for name, (build, recipe) in variants.items():
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            steps[name] = prepare(build, recipe, x, args, device)
+            peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+            rows[name] = {"samples": [], "peak_gib": peak}
+        except Exception as e:  # noqa: BLE001 - report and go on with the other variants
+            rows[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            rows[name]["samples"] += sample(step, args, device)
+    for name in steps:
+        rows[name]["ms"] = statistics.median(rows[name].pop("samples"))
+        print(f"  {name}: {rows[name]}", flush=True)
+    return rows
 
 
 def print_kernels(step, device, top: int) -> None:
@@ -185,7 +223,19 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--inner", type=int, default=5)
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="> 1: build every variant first, then time them in turn this many rounds (drift spreads evenly)",
+    )
+    p.add_argument(
         "--profile", type=int, default=0, metavar="N", help="also print each variant's N most expensive GPU kernels"
+    )
+    p.add_argument(
+        "--size-rule",
+        action="store_true",
+        help="also each dtq recipe converted with dtq.SizeRule.measured(recipe, tokens=batch*seq): GEMMs too "
+        "small to gain kept in BF16",
     )
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default="")
@@ -227,8 +277,15 @@ def main() -> None:
                 variants[f"dtq {name} eager"] = (lambda: dtq.convert(copy.deepcopy(base)), recipe)
             if not args.no_compile:
                 variants[f"dtq {name} compiled"] = (lambda: compile_blocks(dtq.convert(copy.deepcopy(base))), recipe)
-        rows = {}
-        for name, (build, recipe) in variants.items():
+            if args.size_rule:
+                rule = dtq.SizeRule.measured(recipe, tokens=args.batch * args.seq)
+                ruled = lambda recipe=recipe, rule=rule: dtq.convert(copy.deepcopy(base), recipe=recipe, size_rule=rule)  # noqa: E731
+                if not args.no_eager:
+                    variants[f"dtq {name} eager, size rule"] = (ruled, recipe)
+                if not args.no_compile:
+                    variants[f"dtq {name} compiled, size rule"] = (lambda ruled=ruled: compile_blocks(ruled()), recipe)
+        rows = time_interleaved(variants, x, args, device) if args.rounds > 1 else {}
+        for name, (build, recipe) in variants.items() if args.rounds == 1 else ():
             torch._dynamo.reset()
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -42,6 +42,7 @@ from dtq.recipe import (
     Recipe,
     hybrid_recipe,
 )
+from dtq.size_rule import SizeRule, apply_size_rule
 from dtq.tensor import SAFE_GLOBALS, QuantizedTensor
 from dtq.weights import HighPrecisionWeight
 
@@ -57,6 +58,8 @@ def quantized_safe_globals() -> list:
 torch.serialization.add_safe_globals(quantized_safe_globals())
 
 __all__ = [
+    "SizeRule",
+    "apply_size_rule",
     "Quantizer",
     "Float8Quantizer",
     "Float8BlockQuantizer",

@@ -15,6 +15,7 @@ from dtq.nn.linear import Linear
 from dtq.nn.module import QuantizedModule, as_weight
 from dtq.recipe import Recipe
 from dtq.shapes import linear_problem
+from dtq.size_rule import SMALL, SizeRule
 from dtq.weights import local_data
 
 log = logging.getLogger("dtq")
@@ -36,8 +37,9 @@ class ConvertReport:
 
     @property
     def refused(self) -> dict[str, str]:
-        """The skipped layers that dtq could not convert (not the ones ``module_filter_fn`` kept)."""
-        return {k: v for k, v in self.skipped.items() if not v.startswith(FILTERED)}
+        """The skipped layers that dtq could not convert (not the ones ``module_filter_fn`` or the
+        size rule kept)."""
+        return {k: v for k, v in self.skipped.items() if not v.startswith((FILTERED, SMALL))}
 
     def check(self, who: str, how_to_filter: str) -> None:
         """Raise ValueError naming every layer that could not be converted (strict mode)."""
@@ -72,7 +74,8 @@ def quantize_module_weights(
     module: QuantizedModule, recipe: Recipe, memo: dict | None = None, fqn: str | None = None
 ) -> None:
     """Replace each GEMM weight of ``module`` by a QuantizedTensor parameter made by ``recipe``'s
-    weight quantizer (both directions, or rowwise only under a backward override). ``memo`` maps
+    weight quantizer (both directions, or rowwise only under a backward override); a module that
+    ``dtq.apply_size_rule`` keeps in high precision keeps its weights. ``memo`` maps
     an original parameter to its replacement, so tied weights stay tied. ``fqn``: the module's
     name in the model, for messages (default: its own name)."""
     if recipe is None:
@@ -82,6 +85,8 @@ def quantize_module_weights(
         )
     memo = {} if memo is None else memo
     prefix = fqn or module.name
+    if module.gemm_state.high_precision is not None:
+        return  # kept in high precision by a size rule: its weights stay the master weights
     for pname in module.weight_names():
         w = getattr(module, pname)
         if id(w) in memo:
@@ -178,6 +183,22 @@ def _unsafe(child: torch.nn.Linear, parent: torch.nn.Module, cname: str) -> str 
     return None
 
 
+def _size_rule(size_rule, recipe: Recipe | None) -> SizeRule | None:
+    if size_rule is None or isinstance(size_rule, SizeRule):
+        return size_rule
+    if size_rule != "auto":
+        raise ValueError(
+            f"dtq.convert: size_rule={size_rule!r}; pass a dtq.SizeRule, 'auto' (the rule measured for the "
+            "recipe on this device) or None"
+        )
+    if recipe is None:
+        raise ValueError(
+            "dtq.convert(size_rule='auto') needs the recipe the rule is measured for, e.g. "
+            "dtq.convert(model, recipe=dtq.Float8CurrentScaling(), size_rule='auto')"
+        )
+    return SizeRule.measured(recipe)
+
+
 @overload
 def convert(
     module: torch.nn.Module,
@@ -187,6 +208,7 @@ def convert(
     module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = ...,
     strict: bool = ...,
     fsdp_world: int | None = ...,
+    size_rule: SizeRule | Literal["auto"] | None = ...,
     report: Literal[False] = ...,
 ) -> torch.nn.Module: ...
 
@@ -200,12 +222,21 @@ def convert(
     module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = ...,
     strict: bool = ...,
     fsdp_world: int | None = ...,
+    size_rule: SizeRule | Literal["auto"] | None = ...,
     report: Literal[True],
 ) -> tuple[torch.nn.Module, ConvertReport]: ...
 
 
 def convert(
-    module, *, recipe=None, quantized_params=False, module_filter_fn=None, strict=False, fsdp_world=None, report=False
+    module,
+    *,
+    recipe=None,
+    quantized_params=False,
+    module_filter_fn=None,
+    strict=False,
+    fsdp_world=None,
+    size_rule=None,
+    report=False,
 ):
     """Swap every ``torch.nn.Linear`` for a ``dtq.nn.Linear`` in place and name each new module by
     its fully qualified name (its roles' ``name``). The converted module keeps the weight values
@@ -217,7 +248,10 @@ def convert(
     or state, ``nn.MultiheadAttention.out_proj`` (its parent never calls it), weights already
     sharded as DTensors; and, given a ``recipe``, layers whose weight ``[N, K]`` the recipe's
     formats cannot block, or whose FSDP2 shards over ``fsdp_world`` ranks (default: the default
-    process group's size, 1 without one) would split a block. ``strict=True`` raises instead,
+    process group's size, 1 without one) would split a block. Given a ``size_rule``
+    (``dtq.SizeRule``, or ``"auto"``: ``dtq.SizeRule.measured(recipe)``, measured at 8192 tokens
+    per GEMM on the current device), Linears too small to gain from quantization are kept too
+    (reported, not refused). ``strict=True`` raises instead,
     naming every such layer. The summary is logged (logger "dtq": a warning when a layer was
     kept for a reason, else info); ``report=True`` also returns it: ``(module, ConvertReport)``.
 
@@ -232,6 +266,7 @@ def convert(
         raise TypeError(
             f"dtq.convert(recipe=...) takes a dtq recipe (e.g. dtq.MXFP8BlockScaling()), got {type(recipe).__name__}"
         )
+    rule = _size_rule(size_rule, recipe)
     world = _default_fsdp_world() if fsdp_world is None else fsdp_world
     if world < 1:
         raise ValueError(f"dtq.convert: fsdp_world={fsdp_world} must be >= 1")
@@ -269,6 +304,8 @@ def convert(
         reason = _unsafe(child, parent, cname)
         if reason is None and recipe is not None:
             reason = linear_problem(recipe, fqn, child.out_features, child.in_features, fsdp_world=world)
+        if reason is None and rule is not None:
+            reason = rule.why_small(child.out_features, child.in_features)
         return reason
 
     def candidate(child) -> bool:

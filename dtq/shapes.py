@@ -158,8 +158,8 @@ def shape_problems(
 
     problems = []
     for fqn, module in model.named_modules():
-        if not isinstance(module, QuantizedModule):
-            continue
+        if not isinstance(module, QuantizedModule) or module.gemm_state.high_precision is not None:
+            continue  # (a module a size rule keeps in high precision quantizes nothing)
         roles = [r for r in module.quantizer_roles() if r is not None]
         split = (tp_dims or {}).get(id(module), {}) if tp > 1 else {}
         for g, (wname, suffix) in enumerate(zip(module.weight_names(), module.gemm_suffixes())):

@@ -52,12 +52,16 @@ class GatherPlan(NamedTuple):
     """What one gather of one weight serves: the quantizer and the directions to move, for delayed
     scaling the function that turns the global current amax into the amax the weight is quantized
     with, and whether the gather falls back to high precision (an identity quantizer then: counted
-    and warned about in ``comm_stats``)."""
+    and warned about in ``comm_stats``, with ``why`` when the module chose it)."""
 
     quantizer: Quantizer
     directions: tuple[str, ...]
     weight_amax: Callable[[dict], torch.Tensor] | None = None
     fallback: bool = False
+    why: str = (
+        "no dtq recipe is active for its module (run the step under dtq.autocast) or the "
+        "recipe asks for the high-precision weight in backward"
+    )
 
 
 class GatherPlanner(Protocol):
@@ -200,7 +204,7 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
-def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, fallback: bool = False, derived=()):
+def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, fallback: str | None = None, derived=()):
     aliases = quantizer.aliases(tuple(dirs))
     moved = tuple(d for d in dirs if d not in aliases)
     inputs, layout, shared = _split(quantizer, payloads, moved)
@@ -234,8 +238,7 @@ def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, fa
             dtype,
             sum(t.numel() * t.element_size() for t in inputs) * world,
             ctx.param_name,
-            "no dtq recipe is active for its module (run the step under dtq.autocast) or the "
-            "recipe asks for the high-precision weight in backward",
+            fallback,
         )
     else:
         _record(quantizer, layout, fields, world, sum(t.numel() * t.element_size() for t in inputs) * world)
@@ -257,7 +260,7 @@ def high_precision_pre_all_gather(weight: torch.Tensor, data: torch.Tensor, mesh
     param_dtype = mp_policy.param_dtype or weight.dtype
     shard = data.detach().to(param_dtype)
     plan = _planner(module, ctx).gather_plan(ctx, None, DIRECTIONS)
-    quantizer, dirs, fallback = plan.quantizer, plan.directions, plan.fallback
+    quantizer, dirs, fallback = plan.quantizer, plan.directions, plan.why if plan.fallback else None
     derived = ()
     if fallback:
         payloads = quantize_payloads(quantizer, shard, dirs)

@@ -118,6 +118,9 @@ class TrainConfig:
     recompute: bool = False
     compile: bool = False  # torch.compile each block (dtq's GEMMs are custom ops inside its graph)
     offload: Literal["none", "save_on_cpu", "dtq"] = "none"
+    # "auto": GEMMs too small to gain from the recipe stay in high precision, by the rule measured
+    # for it on this device at batch_size x seq_len tokens (dtq.SizeRule.measured)
+    size_rule: Literal["off", "auto"] = "off"
     dtype: Literal["float32", "bfloat16"] = "float32"  # parameter / compute dtype (FSDP2 MixedPrecisionPolicy)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     log_every: Count = 10

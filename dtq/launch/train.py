@@ -78,7 +78,8 @@ def load_config(args: argparse.Namespace) -> config_mod.Config:
 
 
 # The settings that decide how GEMMs and weights are quantized: a checkpoint records them (run.json).
-RECIPE_KEYS = ("recipe", "backward_override", "quantized_params")
+RECIPE_KEYS = ("recipe", "backward_override", "quantized_params", "size_rule")
+DEFAULTS = {"size_rule": "off"}  # what a checkpoint written before a key existed ran with
 
 
 def recipe_settings(tc: config_mod.TrainConfig) -> dict:
@@ -94,6 +95,7 @@ def recipe_change(checkpoint: pathlib.Path, tc: config_mod.TrainConfig) -> dict 
     saved = checkpointing.read_run_info(checkpoint)
     if saved is None:
         return None
+    saved = {**DEFAULTS, **saved}
     changed = {k: [saved.get(k), v] for k, v in recipe_settings(tc).items() if saved.get(k) != v}
     if changed and (saved.get("quantized_params") or tc.quantized_params):
         raise config_mod.ConfigError(
@@ -174,6 +176,21 @@ def quantized(recipe):
     return dtq.autocast(recipe, enabled=recipe is not None, amax_group=dist.group.WORLD if delayed else None)
 
 
+def apply_size_rule(model, recipe, setting: str, tokens: int, device) -> tuple[dict, int, str] | None:
+    """``train.size_rule = "auto"``: keep the dtq modules whose GEMMs are too small to gain from
+    ``recipe`` (at ``tokens`` per GEMM, on ``device``) in high precision. Returns (kept modules,
+    dtq modules, the rule's source), or None when no rule applies."""
+    if setting == "off" or recipe is None:
+        return None
+    try:
+        rule = dtq.SizeRule.measured(recipe, tokens=tokens, device=device)
+    except ValueError as e:
+        raise config_mod.ConfigError(f'config: train.size_rule = "auto": {e}') from None
+    kept = dtq.apply_size_rule(model, rule)
+    total = sum(isinstance(m, dtq.nn.QuantizedModule) for m in model.modules())
+    return kept, total, rule.source
+
+
 @torch.no_grad()
 def evaluate(model, val: data.ByteWindows, cfg: config_mod.Config, recipe, device, rank: int, world: int) -> float:
     """Mean validation loss over ``eval_batches`` fixed batches (the same ones every time)."""
@@ -222,6 +239,7 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto", 
 
     torch.manual_seed(tc.seed)  # the same initial weights on every rank
     model = build_model(cfg.model)
+    kept = apply_size_rule(model, recipe, tc.size_rule, tokens_per_rank, device)
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     # Mesh (replicate, dp, tp): the tp ranks of a replica are adjacent; every HSDP replica and FSDP2
     # shard of the data-parallel world reads its own slice of the global batch.
@@ -293,6 +311,8 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto", 
         )
     elif device.type == "cpu":
         console.print("note: on CPU dtq emulates quantized GEMMs with the reference codecs (exact bits, not speed)")
+    if kept is not None:
+        console.print(f"size rule: {len(kept[0])} of {kept[1]} dtq modules kept in high precision ({kept[2]})")
     if step >= tc.steps:
         console.print(f"already at step {step} of {tc.steps}; raise train.steps to continue")
 

@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     from dtq.recipe import Recipe
 
 
+SIZE_RULE_GATHER = "a size rule keeps its module in high precision (dtq.apply_size_rule: too small to gain)"
+
+
 @dataclasses.dataclass(frozen=True)
 class TPLayout:
     """How tensor parallelism splits a module's GEMMs: ``{gemm index: TPSpec}`` over ``mesh``."""
@@ -68,6 +71,9 @@ class GemmState:
     tp: TPLayout | None = None
     # The module whose GEMMs this is (a weak reference: the FSDP2 gathers ask for its weight slots).
     owner: weakref.ReferenceType | None = dataclasses.field(default=None, repr=False, compare=False)
+    # Why the module's GEMMs stay in high precision under every recipe (dtq.apply_size_rule: too
+    # small to gain); None: they follow the recipe.
+    high_precision: str | None = None
 
     def set_tensor_parallel(self, specs: Mapping[int, TPSpec], mesh: DeviceMesh) -> None:
         """Split the module's GEMMs ``{gemm index: TPSpec}`` over the 1-D ``mesh``."""
@@ -90,6 +96,8 @@ class GemmState:
         hp_backward = (
             recipe is not None and recipe.backward_override == "high_precision" and ctx.training_state == "PRE_BACKWARD"
         )
+        if self.high_precision is not None:
+            return GatherPlan(IdentityQuantizer(), DIRECTIONS, fallback=True, why=SIZE_RULE_GATHER)
         if slot is None or slot.quantizer is None or hp_backward:
             # both directions: one passthrough payload (moved once) serves fprop and dgrad alike
             return GatherPlan(IdentityQuantizer(), DIRECTIONS, fallback=True)
@@ -112,6 +120,8 @@ class GemmState:
         and possibly on autograd's own thread, the one the module last ran."""
         if ctx.training_state == "FORWARD":
             return self.resolve(in_backward())  # as the module's forward resolves it
+        if self.high_precision is not None:
+            return None
         return active_recipe() or self.recipe
 
     def _needed_directions(self, ctx: GatherContext, recipe: Recipe | None, have: tuple[str, ...]) -> tuple[str, ...]:
@@ -142,7 +152,10 @@ class GemmState:
         default. A recompute (``replay``) outside autocast takes the recipe its forward recorded.
         Given the GEMM's ``weight``, a forward that resolves no recipe without the user having
         chosen that (no autocast active) is said once: it silently computes in high precision
-        (``name``: the module's, by default the owner's, built only then)."""
+        (``name``: the module's, by default the owner's, built only then). A module kept in high
+        precision (``high_precision``) resolves None under every recipe."""
+        if self.high_precision is not None:
+            return None
         if replay:
             return active_recipe() or self.recipe
         recipe = recipe_or(self.default_recipe)
@@ -185,7 +198,14 @@ class GemmState:
 
     def __deepcopy__(self, memo) -> GemmState:
         return GemmState(
-            self.recipe, None, self.recompute, self.awaiting_recompute, self.fsdp_gathered, self.default_recipe, self.tp
+            self.recipe,
+            None,
+            self.recompute,
+            self.awaiting_recompute,
+            self.fsdp_gathered,
+            self.default_recipe,
+            self.tp,
+            high_precision=self.high_precision,
         )
 
 

@@ -30,7 +30,7 @@ def precompute_amax(model: torch.nn.Module, recipe=None) -> None:
             continue
         state = module.gemm_state
         rec = recipe or active_recipe() or state.recipe or state.default_recipe
-        if rec is None:
+        if rec is None or state.high_precision is not None:  # (gathered in high precision)
             continue
         for leaf in module.weight_names():
             p = getattr(module, leaf)
