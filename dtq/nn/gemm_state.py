@@ -268,6 +268,12 @@ class GemmHandle(OpaqueBase):
     def __init__(self, module: torch.nn.Module):
         self._module = weakref.ref(module)
 
+    def __reduce__(self):
+        # What inductor's FX graph cache pickles for its key: a handle is a graph input, so the
+        # compiled code is the same whichever module it reaches; reduced to a handle to no module
+        # (calling one raises), the key is stable and compiled graphs are cached across runs.
+        return (_detached_handle, ())
+
     def slots(self, recipe: Recipe, gemm: int) -> GemmSlots:
         module = self._module()
         if module is None:
@@ -276,6 +282,12 @@ class GemmHandle(OpaqueBase):
 
 
 register_opaque_type(GemmHandle, typ="reference")
+
+
+def _detached_handle() -> GemmHandle:
+    handle = GemmHandle.__new__(GemmHandle)
+    handle._module = lambda: None
+    return handle
 
 _template_keys: dict = {}
 _TEMPLATES: dict[int, GemmSlots] = {}

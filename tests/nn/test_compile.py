@@ -112,6 +112,33 @@ def test_inductor_compiles_around_dtq_gemms():
         assert torch.equal(_local(a), _local(b))
 
 
+def test_inductor_caches_dtq_graphs_across_compiles():
+    """Inductor's FX graph cache keys a graph by pickling it with its inputs; a dtq module's handle
+    (an opaque graph input holding a weak reference) could not be pickled, so every dtq graph
+    bypassed the cache and was compiled again in every process. Now the second compile of the
+    same structure is a cache hit, and the cached graph still reaches the module it is called
+    with: a second model with other weights gets its own eager bits."""
+    from torch._inductor.utils import fresh_cache
+
+    r = RECIPES["fp8"]()
+    x = torch.randn(32, H, generator=torch.Generator().manual_seed(3))
+    counters = torch._dynamo.utils.counters
+    with fresh_cache(), torch._inductor.config.patch(fx_graph_cache=True):
+        for seed in (0, 1):
+            torch._dynamo.reset()
+            counters.clear()
+            model = _mlp(False, r)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(1 + seed)  # other weights: a graph that reached the first model fails
+            eager = _step(model, x, r)
+            got = _step(torch.compile(model), x, r)
+            for a, b in zip(got, eager):
+                assert torch.equal(_local(a), _local(b)), seed
+            assert counters["inductor"]["fxgraph_cache_bypass"] == 0, dict(counters["inductor"])
+        assert counters["inductor"]["fxgraph_cache_hit"] > 0, dict(counters["inductor"])
+
+
 def _fsdp_compiled_blocks(rank, world, quantized_params):
     r = RECIPES["hybrid"]()
     mesh = init_device_mesh("cpu", (world,))
