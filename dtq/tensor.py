@@ -19,6 +19,7 @@ that own their payloads (clone, ``_to_copy``, ``*_like`` / ``new_*``) do not.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import math
 from collections.abc import Callable, Mapping
@@ -65,6 +66,19 @@ class _Partial(NamedTuple):
     def key(self) -> tuple:
         """Everything but ``whole``: what pickling and ``__tensor_flatten__`` carry."""
         return (self.start, self.end, self.rows, self.shared)
+
+
+def stable_hash(t: torch.Tensor) -> str:
+    """What AOTAutograd's cache keys one of dtq's tensor subclasses by (``_stable_hash_for_caching``):
+    its type, metadata and flatten context, and its inner tensors' metadata, never values (a
+    graph's inputs and parameters change; their layout is what the graph was built for)."""
+    names, ctx = t.__tensor_flatten__()
+    inner = [
+        (n, tuple(x.shape), tuple(x.stride()), str(x.dtype), x.device.type)
+        for n, x in ((n, getattr(t, n)) for n in names)
+    ]
+    key = (type(t).__qualname__, tuple(t.shape), str(t.dtype), t.device.type, t.requires_grad, repr(ctx), inner)
+    return hashlib.sha256(repr(key).encode()).hexdigest()
 
 
 class QuantizedTensor(torch.Tensor):
@@ -262,6 +276,9 @@ class QuantizedTensor(torch.Tensor):
         )
 
     # -- traceable-wrapper-subclass protocol (nn.Module.to() and friends swap whole tensors) -------
+    def _stable_hash_for_caching(self) -> str:
+        return stable_hash(self)
+
     def __tensor_flatten__(self):
         names = [f"{_FLAT}{d}__{k}" for d, p in self._payloads.items() for k in p]
         partial = self._partial.key() if self._partial is not None else None

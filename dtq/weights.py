@@ -136,6 +136,9 @@ class HighPrecisionWeight(torch.Tensor):
 
     # Traceable-wrapper-subclass protocol: lets nn.Module.to()/.double()/.cuda() swap the whole
     # tensor instead of assigning .data behind the wrapper's back.
+    def _stable_hash_for_caching(self) -> str:
+        return tensor.stable_hash(self)
+
     def __tensor_flatten__(self):
         return ["_data"], None
 

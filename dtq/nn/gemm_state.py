@@ -289,6 +289,7 @@ def _detached_handle() -> GemmHandle:
     handle._module = lambda: None
     return handle
 
+
 _template_keys: dict = {}
 _TEMPLATES: dict[int, GemmSlots] = {}
 

@@ -120,10 +120,13 @@ def test_inductor_caches_dtq_graphs_across_compiles():
     with: a second model with other weights gets its own eager bits."""
     from torch._inductor.utils import fresh_cache
 
+    import warnings
+
     r = RECIPES["fp8"]()
     x = torch.randn(32, H, generator=torch.Generator().manual_seed(3))
     counters = torch._dynamo.utils.counters
-    with fresh_cache(), torch._inductor.config.patch(fx_graph_cache=True):
+    with fresh_cache(), torch._inductor.config.patch(fx_graph_cache=True), warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*_stable_hash_for_caching")  # dtq's subclasses key themselves
         for seed in (0, 1):
             torch._dynamo.reset()
             counters.clear()
@@ -137,6 +140,18 @@ def test_inductor_caches_dtq_graphs_across_compiles():
                 assert torch.equal(_local(a), _local(b)), seed
             assert counters["inductor"]["fxgraph_cache_bypass"] == 0, dict(counters["inductor"])
         assert counters["inductor"]["fxgraph_cache_hit"] > 0, dict(counters["inductor"])
+
+
+def test_subclasses_key_caches_by_layout_not_values():
+    """AOTAutograd's cache key of a dtq tensor subclass: equal for the same layout with other
+    values, different for another format or shape."""
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    fp8, mx = dtq.Float8Quantizer(), dtq.MXFP8Quantizer()
+    assert fp8.quantize(a)._stable_hash_for_caching() == fp8.quantize(b)._stable_hash_for_caching()
+    assert fp8.quantize(a)._stable_hash_for_caching() != mx.quantize(a)._stable_hash_for_caching()
+    assert fp8.quantize(a)._stable_hash_for_caching() != fp8.quantize(a[:32])._stable_hash_for_caching()
+    w = dtq.HighPrecisionWeight
+    assert w(a)._stable_hash_for_caching() == w(b)._stable_hash_for_caching() != w(a.T)._stable_hash_for_caching()
 
 
 def _fsdp_compiled_blocks(rank, world, quantized_params):
