@@ -144,9 +144,10 @@ def test_convert_keeps_and_reports_small_linears():
         dtq.convert(Plain(), size_rule="auto")
     with pytest.raises(ValueError, match="size_rule='big'; pass a dtq.SizeRule"):
         dtq.convert(Plain(), recipe=FP8, size_rule="big")
-    # "auto" on the CPU: dtq emulates every format here, so nothing gains and nothing converts.
+    # "auto": the rule measured for this device (on the CPU, where dtq emulates every format,
+    # nothing gains; on sm_90 these layers are far below it).
     _, auto = dtq.convert(Plain(), recipe=FP8, size_rule="auto", report=True)
-    assert auto.converted == () and all("on cpu dtq emulates" in v for v in auto.skipped.values())
+    assert auto.converted == () and all(v.startswith("below the size rule") for v in auto.skipped.values())
     # quantized_params: only the converted layers hold quantized weights.
     qmodel = dtq.convert(Plain(), recipe=FP8, size_rule=RULE, quantized_params=True)
     assert isinstance(qmodel.c.weight, dtq.QuantizedTensor) and not isinstance(qmodel.b.weight, dtq.QuantizedTensor)
