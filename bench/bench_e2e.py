@@ -208,6 +208,20 @@ def commit() -> str:
         return "unknown"
 
 
+def run_header(device: torch.device, **fields) -> dict:
+    """What a benchmark run records first (device, versions, commit, date, then ``fields``), printed
+    as one line."""
+    header = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "commit": commit(),
+        "date": datetime.date.today().isoformat(),
+        **fields,
+    }
+    print(" | ".join(f"{k} {v}" for k, v in header.items()), flush=True)
+    return header
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, nargs="+", default=[2048, 4096])
@@ -251,16 +265,7 @@ def main() -> None:
         ao_version = torchao.__version__
     except ImportError:
         ao_version = "absent"
-    header = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "torchao": ao_version,
-        "commit": commit(),
-        "date": datetime.date.today().isoformat(),
-        "batch": args.batch,
-        "seq": args.seq,
-    }
-    print(" | ".join(f"{k} {v}" for k, v in header.items()), flush=True)
+    header = run_header(device, torchao=ao_version, batch=args.batch, seq=args.seq)
     results = []
     for hidden in args.hidden:
         layers = args.layers or (4 if hidden <= 2048 else 2)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import itertools
 import json
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_e2e import commit, time_variant  # noqa: E402
+from bench_e2e import run_header, time_variant  # noqa: E402
 from bench_layers import recipes  # noqa: E402
 
 import dtq  # noqa: E402
@@ -77,15 +76,7 @@ def main() -> None:
     unknown = sorted(set(args.recipes + args.compiled) - set(table))
     if unknown:
         p.error(f"unknown recipes {unknown}; choose from {sorted(table)}")
-    header = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "commit": commit(),
-        "date": datetime.date.today().isoformat(),
-        "tokens": args.tokens,
-        "pairs": args.pairs,
-    }
-    print(" | ".join(f"{k} {v}" for k, v in header.items()), flush=True)
+    header = run_header(device, tokens=args.tokens, pairs=args.pairs)
     results = []
     ratios: dict[str, dict] = {}
     for a, b in itertools.combinations_with_replacement(sorted(args.sizes), 2):

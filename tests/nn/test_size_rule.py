@@ -247,3 +247,19 @@ def test_fsdp2_gathers_kept_modules_in_high_precision():
     the kept modules' weights gathered in high precision (counted as fall-back and said once,
     with the reason) and `big`'s in FP8."""
     spawn(_check_fsdp2, 2, backend="gloo")
+
+
+def test_gemm_sizes_picks_the_rule_converting_most_gaining_points():
+    """bench/gemm_sizes.py's selection, which the measured table comes from: the thresholds that
+    convert the most grid points, each at >= margin; none when no point gains."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
+    from gemm_sizes import loosest_rule
+
+    grid = {(1024, 1024): 0.3, (1024, 8192): 0.97, (2048, 2048): 0.6, (2048, 4096): 1.16, (2048, 8192): 1.29}
+    grid |= {(4096, 4096): 1.27, (4096, 8192): 1.35, (8192, 8192): 1.46}
+    assert loosest_rule(grid, 1.05) == (2048, 2048 * 4096)  # 5 points; (1024, 4096*4096) converts 4
+    assert loosest_rule(grid, 1.2) == (1024, 2048 * 8192)  # ties: the smaller thresholds
+    assert loosest_rule({(1024, 1024): 0.5}, 1.0) is None
