@@ -54,8 +54,11 @@ def _step(model, x, ctx, *, recompute: bool = False):
 def _bits_equal(a, b) -> bool:
     ya, xa, ga = a
     yb, xb, gb = b
-    return torch.equal(ya, yb) and torch.equal(xa, xb) and ga.keys() == gb.keys() and all(
-        torch.equal(ga[k], gb[k]) for k in ga
+    return (
+        torch.equal(ya, yb)
+        and torch.equal(xa, xb)
+        and ga.keys() == gb.keys()
+        and all(torch.equal(ga[k], gb[k]) for k in ga)
     )
 
 

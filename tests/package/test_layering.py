@@ -22,7 +22,10 @@ LAYERS = [
     ("recipe", ["dtq.recipe", "dtq.autocast", "dtq.gemm"]),
     ("nn", ["dtq.nn"]),
     ("parallel, checkpoint", ["dtq.parallel", "dtq.checkpoint"]),
-    ("model tools", ["dtq.convert", "dtq.size_rule", "dtq.optim", "dtq.shapes", "dtq.presets", "dtq.recipes", "dtq.testing"]),
+    (
+        "model tools",
+        ["dtq.convert", "dtq.size_rule", "dtq.optim", "dtq.shapes", "dtq.presets", "dtq.recipes", "dtq.testing"],
+    ),
     ("package", ["dtq"]),  # dtq/__init__.py: the public names, which the layers above use
     ("integrations, launch", ["dtq.integrations", "dtq.launch"]),
 ]
