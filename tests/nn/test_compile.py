@@ -118,9 +118,9 @@ def test_inductor_caches_dtq_graphs_across_compiles():
     bypassed the cache and was compiled again in every process. Now the second compile of the
     same structure is a cache hit, and the cached graph still reaches the module it is called
     with: a second model with other weights gets its own eager bits."""
-    from torch._inductor.utils import fresh_cache
-
     import warnings
+
+    from torch._inductor.utils import fresh_cache
 
     r = RECIPES["fp8"]()
     x = torch.randn(32, H, generator=torch.Generator().manual_seed(3))
