@@ -27,13 +27,19 @@ SMALL = "below the size rule"  # the start of every reason a rule gives (a skip 
 # fp8_row) compiled; see docs/benchmarks.md, "Which GEMMs gain". One exception: fp8 at 16384
 # tokens also converts 2048 x 2048 (pairs: 1.07x eager, 0.47x compiled), because the whole
 # hidden-2048 stack of bench_e2e.py ran faster with those GEMMs in FP8 than without, eager and
-# compiled. {codec name: {tokens per GEMM: (min_features, min_weight_numel)}}.
-_SM90: dict[str, dict[int, tuple[int, int]]] = {
-    "fp8": {8192: (2048, 2048 * 8192), 16384: (2048, 2048 * 2048)},
-    "fp8_row": {8192: (4096, 4096 * 8192), 16384: (2048, 2048 * 8192)},
-    "fp8_block": {8192: (2048, 2048 * 8192), 16384: (2048, 2048 * 4096)},
+# compiled. None: slower than BF16 at every size of the grid (mxfp8 0.16x-0.92x; nvfp4 within the
+# mxfp8/nvfp4 hybrid, 0.13x-0.80x: both emulated on Hopper). Data, not a rule about formats: a
+# format or device missing here raises until someone measures it.
+# {(major, minor): {codec name: {tokens per GEMM: (min_features, min_weight_numel) or None}}}.
+_MEASURED: dict[tuple[int, int], dict[str, dict[int, tuple[int, int] | None]]] = {
+    (9, 0): {
+        "fp8": {8192: (2048, 2048 * 8192), 16384: (2048, 2048 * 2048)},
+        "fp8_row": {8192: (4096, 4096 * 8192), 16384: (2048, 2048 * 8192)},
+        "fp8_block": {8192: (2048, 2048 * 8192), 16384: (2048, 2048 * 4096)},
+        "mxfp8": {8192: None, 16384: None},
+        "nvfp4": {8192: None},
+    }
 }
-_EMULATED_BELOW_SM100 = ("mxfp8", "nvfp4")  # no tensor cores for them before Blackwell
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +79,9 @@ class SizeRule:
     def measured(cls, recipe: Recipe, *, tokens: int = 8192, device: torch.device | str | None = None) -> SizeRule:
         """The rule ``bench/gemm_sizes.py`` measured for ``recipe``'s formats on ``device`` (default:
         the current CUDA device, else the CPU) at ``tokens`` rows per GEMM (the largest measured
-        count not above it: more tokens gain more). Formats a device can only emulate keep every
-        GEMM (on the CPU: every quantized format). Raises ValueError where nothing was measured."""
+        count not above it: more tokens gain more). A format measured slower than high precision at
+        every size keeps every GEMM, as does the CPU (where dtq emulates every quantized GEMM).
+        Raises ValueError for a device, format or token count nothing was measured for."""
         if not isinstance(recipe, Recipe):
             raise TypeError(f"dtq.SizeRule.measured: recipe must be a dtq recipe, got {type(recipe).__name__}")
         names = _codec_names(recipe)
@@ -86,21 +93,17 @@ class SizeRule:
             return cls(keep_all=True, source=f"on {dev.type} dtq emulates every quantized GEMM ({label})")
         major, minor = torch.cuda.get_device_capability(dev)
         sm = f"sm_{major}{minor}"
-        emulated = sorted(n for n in names if n in _EMULATED_BELOW_SM100 or major < 9)
-        if major < 10 and emulated:
-            return cls(
-                keep_all=True,
-                source=f"{', '.join(emulated)} GEMMs are emulated on {sm} (no tensor cores for them): slower than "
-                "high precision at every size",
-            )
-        if major != 9:
+        table = _MEASURED.get((major, minor), {})
+        missing = sorted(n for n in names if n not in table)
+        if missing:
             raise ValueError(
-                f"dtq.SizeRule.measured: no size rule was measured for {label} on {sm}; measure one with "
-                "bench/gemm_sizes.py and pass dtq.SizeRule(min_features=..., min_weight_numel=...)"
+                f"dtq.SizeRule.measured: no size rule was measured for {label} on {sm} (none for "
+                f"{', '.join(missing)}); measure one with bench/gemm_sizes.py and pass "
+                "dtq.SizeRule(min_features=..., min_weight_numel=...)"
             )
         rules = []
         for name in sorted(names):
-            by_tokens = _SM90[name]
+            by_tokens = table[name]
             fit = [t for t in by_tokens if t <= tokens]
             if not fit:
                 raise ValueError(
@@ -108,10 +111,15 @@ class SizeRule:
                     f"not at {tokens} (fewer tokens gain less); measure with bench/gemm_sizes.py --tokens {tokens} "
                     "and pass dtq.SizeRule(min_features=..., min_weight_numel=...)"
                 )
-            t = max(fit)
-            rules.append((*by_tokens[t], name, t))
-        features, numel = max(r[0] for r in rules), max(r[1] for r in rules)
-        measured_at = ", ".join(f"{name} at {t} tokens" for *_, name, t in rules)
+            rules.append((name, max(fit), by_tokens[max(fit)]))
+        losing = [f"{name} at {t} tokens" for name, t, rule in rules if rule is None]
+        if losing:
+            return cls(
+                keep_all=True,
+                source=f"measured on {sm}: {', '.join(losing)} slower than high precision at every size",
+            )
+        features, numel = max(r[0] for *_, r in rules), max(r[1] for *_, r in rules)
+        measured_at = ", ".join(f"{name} at {t} tokens" for name, t, _ in rules)
         return cls(features, numel, source=f"measured on {sm}: {measured_at}")
 
 
