@@ -151,12 +151,14 @@ class ParallelConfig:
     ranks and all-reduces gradients across the replicas (1: plain FSDP2 over all of them).
     ``sequence_parallel``: with ``tp > 1``, split activations along the sequence between the
     GEMMs (their inputs are then gathered quantized). ``reshard_after_forward``: FSDP2's setting
-    for every block (the root never reshards)."""
+    for every block (the root never reshards); "auto" is false when FSDP2 shards over one rank
+    (one GPU, or HSDP with one rank per replica), where resharding frees only a copy of the
+    weights and backward would gather (and quantize) them again, and true otherwise."""
 
     tp: Count = 1
     replicate: Count = 1
     sequence_parallel: bool = False
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | Literal["auto"] = "auto"
 
     def __post_init__(self):
         if self.sequence_parallel and self.tp == 1:
@@ -198,15 +200,25 @@ def from_dict(raw: dict[str, Any]) -> Config:
     try:
         return _VALIDATOR.validate_python(raw)
     except ValidationError as e:
-        raise ConfigError(_one_line(e.errors(include_url=False)[0])) from None
+        raise ConfigError(_one_line(*_first_key_errors(e.errors(include_url=False)))) from None
+
+
+def _first_key_errors(errors: list[dict]) -> list[dict]:
+    """The errors of the first key pydantic refused: one, or one per member of a union type
+    (their locations end with the member's type, which is dropped)."""
+    key = tuple(errors[0]["loc"][:2])
+    return [dict(e, loc=key) for e in errors if tuple(e["loc"][:2]) == key] if len(errors[0]["loc"]) > 2 else errors[:1]
 
 
 _VALIDATOR = TypeAdapter(Config)
 
 
-def _one_line(error: dict) -> str:
-    """One of pydantic's errors as a line naming the key: ``config: train.steps = 'abc': Input
-    should be a valid integer``."""
+def _one_line(error: dict, *alternatives: dict) -> str:
+    """pydantic's error for one key as a line naming it: ``config: train.steps = 'abc': Input
+    should be a valid integer`` (a union type's members' messages joined by "or")."""
+    if alternatives:
+        msgs = [error["msg"]] + [e["msg"].replace("Input should be ", "") for e in alternatives]
+        return f"config: {'.'.join(str(p) for p in error['loc'])} = {error['input']!r}: {', or '.join(msgs)}"
     loc = [str(part) for part in error["loc"]]
     if error["type"] == "value_error":  # a __post_init__ check: its message names its keys
         return str(error["ctx"]["error"])

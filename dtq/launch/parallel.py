@@ -82,6 +82,14 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh, cfg: Config)
     model.sp_group = tp_mesh.get_group() if sp else None
 
 
+def reshard_after_forward(setting: bool | str, shard_ranks: int) -> bool:
+    """FSDP2's ``reshard_after_forward`` for the blocks. "auto": reshard only when the weights are
+    sharded over more than one rank; over one, resharding frees nothing but the gathered copy,
+    and backward would gather (for a quantizing recipe: quantize) every weight a second time,
+    which cost 20-35 ms of a 190 ms ``llama1b_1gpu`` step on an H100 (docs/benchmarks.md)."""
+    return shard_ranks > 1 if setting == "auto" else bool(setting)
+
+
 def parallelize(model: torch.nn.Module, mesh: DeviceMesh, cfg: Config, recipe=None) -> torch.nn.Module:
     """TP styles (when ``tp > 1``), then quantized parameters (``train.quantized_params``: after the
     styles, so every TP shard is the slice of the whole weight's quantization), then FSDP2 per
@@ -99,7 +107,8 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, cfg: Config, recipe=No
     if cfg.train.dtype == "bfloat16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     kwargs = {"mesh": dp} | ({"mp_policy": mp} if mp is not None else {})
+    reshard = reshard_after_forward(cfg.parallel.reshard_after_forward, dp["dp"].size())
     for block in model.blocks:
-        fully_shard(block, reshard_after_forward=cfg.parallel.reshard_after_forward, **kwargs)
+        fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model

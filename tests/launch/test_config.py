@@ -400,3 +400,25 @@ def test_progress_bar_only_on_an_interactive_terminal(capsys):
         console.close()
         assert not console.has_bar and stream.getvalue() == ""
         assert capsys.readouterr().out == ("step 1/4\n" if enabled else "")
+
+
+def test_reshard_after_forward_auto_keeps_weights_gathered_on_one_shard():
+    """ "auto" (the default) reshards only when FSDP2 shards over more than one rank; explicit
+    booleans (TOML or the words the other boolean keys take) are kept as given."""
+    assert config.load(TINY).parallel.reshard_after_forward == "auto"
+    assert parallel.reshard_after_forward("auto", 1) is False
+    assert parallel.reshard_after_forward("auto", 2) is True
+    for word, value in (("false", False), ("no", False), ("true", True)):
+        setting = config.load(TINY, [f"parallel.reshard_after_forward={word}"]).parallel.reshard_after_forward
+        assert setting is value and parallel.reshard_after_forward(setting, 1) is value
+    refused = r"parallel.reshard_after_forward = 'sometimes': Input should be a valid boolean.*, or 'auto'$"
+    with pytest.raises(config.ConfigError, match=refused):
+        config.load(TINY, ["parallel.reshard_after_forward=sometimes"])
+
+
+def test_optimizer_is_multi_tensor_adamw_on_cpu():
+    """The fused AdamW kernel is for GPUs (where it spares the multi-tensor version's host time);
+    CPU runs keep torch's default implementation, whose bits the CPU tests were written against."""
+    cfg = config.load(TINY)
+    opt = optim.build_optimizer(Decoder(cfg.model), cfg.train)
+    assert type(opt) is torch.optim.AdamW and not opt.defaults["fused"]
