@@ -11,11 +11,13 @@ from typing import Literal, overload
 import torch
 
 from dtq.checkpoint.state_dict import make_loading_atomic
+from dtq.codec import wanted_directions
 from dtq.nn.linear import Linear
 from dtq.nn.module import QuantizedModule, as_weight
 from dtq.recipe import Recipe
 from dtq.shapes import linear_problem
 from dtq.size_rule import SMALL, SizeRule
+from dtq.tensor_ops import zero_quantized
 from dtq.weights import local_data
 
 log = logging.getLogger("dtq")
@@ -75,7 +77,9 @@ def quantize_module_weights(
 ) -> None:
     """Replace each GEMM weight of ``module`` by a QuantizedTensor parameter made by ``recipe``'s
     weight quantizer (both directions, or rowwise only under a backward override); a module that
-    ``dtq.apply_size_rule`` keeps in high precision keeps its weights. ``memo`` maps
+    ``dtq.apply_size_rule`` keeps in high precision keeps its weights. A weight on the meta device
+    becomes zero payloads of its layout, for the values to be cast in once they exist (torchtitan's
+    ``init_states``, after ``fully_shard`` and ``to_empty``). ``memo`` maps
     an original parameter to its replacement, so tied weights stay tied. ``fqn``: the module's
     name in the model, for messages (default: its own name)."""
     if recipe is None:
@@ -110,6 +114,8 @@ def _quantize_weight(q, w: torch.Tensor, columnwise: bool, name: str) -> torch.T
     """Quantize a weight; a tensor-parallel (DTensor) weight shard by shard, with its amaxes
     reduced over the mesh so that every shard is the slice of the whole tensor's quantization."""
     try:
+        if w.device.type == "meta" and not hasattr(w, "device_mesh"):
+            return _meta_quantized(q, w, columnwise)
         if not hasattr(w, "device_mesh"):
             return q.quantize(w, rowwise=True, columnwise=columnwise)
         return _quantize_sharded(q, w, columnwise, name)
@@ -121,6 +127,13 @@ def _quantize_weight(q, w: torch.Tensor, columnwise: bool, name: str) -> torch.T
             "Leave its layer out (module_filter_fn), or convert with a recipe first so dtq.convert "
             "skips and reports the layers it cannot hold"
         ) from e
+
+
+def _meta_quantized(q, w: torch.Tensor, columnwise: bool) -> torch.Tensor:
+    """A meta-device weight (a model built on the meta device, values created after sharding)
+    becomes a meta QuantizedTensor of the same layout, so that ``fully_shard`` shards the quantized
+    parameter; its payloads are written from the values once they exist."""
+    return zero_quantized(q, tuple(w.shape), w.dtype, w.device, wanted_directions(True, columnwise))
 
 
 def _quantize_sharded(q, w: torch.Tensor, columnwise: bool, name: str) -> torch.Tensor:

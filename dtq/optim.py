@@ -319,7 +319,7 @@ def _warn_if_stepping_quantized(optimizer: torch.optim.Optimizer, args, kwargs) 
     rounds each update to the format's grid, so updates smaller than half the gap between
     neighbouring codes vanish without an error. Warn once; each optimizer is looked at until its
     quantized parameters have gradients, or once if it has none."""
-    if isinstance(optimizer, MasterWeightOptimizer) or torch.compiler.is_compiling():
+    if isinstance(optimizer, MasterWeightOptimizer) or _steps_masters(optimizer) or torch.compiler.is_compiling():
         return
     groups = optimizer.param_groups
     count = sum(len(g["params"]) for g in groups)
@@ -347,6 +347,13 @@ def _warn_if_stepping_quantized(optimizer: torch.optim.Optimizer, args, kwargs) 
         )
     if stepped or not quantized:
         _checked[optimizer] = count
+
+
+def _steps_masters(optimizer: torch.optim.Optimizer) -> bool:
+    """A container of optimizers (torchtitan's ``OptimizersContainer``) whose every optimizer is a
+    MasterWeightOptimizer: it lists the quantized parameters, but its step only runs theirs."""
+    inner = getattr(optimizer, "optimizers", None)
+    return isinstance(inner, list) and bool(inner) and all(isinstance(o, MasterWeightOptimizer) for o in inner)
 
 
 def _param_name(p: torch.Tensor) -> str | None:

@@ -259,13 +259,27 @@ def _is_pinned(func, args, kwargs):
 
 def _zero_payloads(t: QuantizedTensor, shape2: tuple[int, int], device, dtype) -> dict[str, Payload]:
     """Zero payloads of ``t``'s format for a [M, K] = ``shape2`` matrix."""
+    return _zeros(t._quantizer, t.directions, shape2, device, dtype)
+
+
+def _zeros(quantizer, directions: tuple[str, ...], shape2: tuple[int, int], device, dtype) -> dict[str, Payload]:
     out = {}
-    for d in t.directions:
-        codec = t._quantizer.codec(d)
+    for d in directions:
+        codec = quantizer.codec(d)
         codec.check_shape(shape2)
-        twin = t._quantizer.aliases(t.directions).get(d)
+        twin = quantizer.aliases(directions).get(d)
         out[d] = dict(out[twin]) if twin in out else codec.empty(shape2, device, dtype)
     return out
+
+
+def zero_quantized(
+    quantizer, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, directions: tuple[str, ...]
+) -> QuantizedTensor:
+    """A QuantizedTensor of zeros in ``quantizer``'s layout (bitwise ``quantize(zeros)``), made
+    without reading or drawing a value: what a weight on the meta device becomes, its payloads
+    written once its values exist (after ``to_empty``)."""
+    payloads = _zeros(quantizer, tuple(directions), shape_2d(shape), torch.device(device), dtype)
+    return QuantizedTensor(shape, dtype, quantizer, payloads)
 
 
 @implements([aten.empty_like.default, aten.zeros_like.default, aten.new_empty.default, aten.new_zeros.default])

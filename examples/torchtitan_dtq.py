@@ -16,7 +16,7 @@ from torchtitan.models.llama3 import model_registry
 from torchtitan.models.llama3.config_registry import llama3_debugmodel
 from torchtitan.trainer import Trainer
 
-from dtq.integrations.torchtitan import DtqConverter, post_optimizer_build_fn
+from dtq.integrations.torchtitan import DtqConverter, master_weight_optimizers, post_optimizer_build_fn
 
 
 def llama3_debugmodel_dtq(recipe: str = "mxfp8") -> Trainer.Config:
@@ -27,6 +27,19 @@ def llama3_debugmodel_dtq(recipe: str = "mxfp8") -> Trainer.Config:
     )
     config.model_spec.post_optimizer_build_fn = post_optimizer_build_fn
     config.parallelism.spmd_backend = "partial_dtensor"  # FSDP2 shards the dtq weights, not torchtitan
+    return config
+
+
+def llama3_debugmodel_dtq_quantized() -> Trainer.Config:
+    """The same with the converted weights stored as MXFP8 quantized parameters, stepped by FP32
+    master weights."""
+    config = llama3_debugmodel_dtq()
+    config.model_spec = model_registry(
+        "debugmodel",
+        converters=[DtqConverter.Config(recipe="mxfp8", filter_fqns=["lm_head"], quantized_params=True)],
+    )
+    config.model_spec.post_optimizer_build_fn = post_optimizer_build_fn
+    config.optimizer = master_weight_optimizers(config.optimizer)
     return config
 
 

@@ -10,17 +10,21 @@ from dtq.nn.module import QuantizedModule
 from dtq.optim import MasterWeightOptimizer, _is_quantized
 from dtq.parallel.fsdp import precompute_amax
 
+_FIX = "dtq.optim.MasterWeightOptimizer(model.parameters(), torch.optim.AdamW, lr=...)"
 
-def check_master_weights(who: str, model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+
+def check_master_weights(
+    who: str, model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer], fix: str = _FIX
+) -> None:
     """Quantized parameters stepped by a plain optimizer lose every update smaller than their
-    quantization step: refuse, naming the first one and the optimizer that would do it."""
+    quantization step: refuse, naming the first one, the optimizer that would do it, and ``fix``
+    (how this integration builds master-weight optimizers)."""
     quantized = [n for n, p in model.named_parameters() if _is_quantized(p)]
     plain = [o for o in optimizers if not isinstance(o, MasterWeightOptimizer)]
     if quantized and plain:
         raise ValueError(
             f"{who}: {quantized[0]} (and {len(quantized) - 1} more) are quantized parameters, stepped by "
-            f"{type(plain[0]).__name__}, which would round small updates away; step them with "
-            "dtq.optim.MasterWeightOptimizer(model.parameters(), torch.optim.AdamW, lr=...)"
+            f"{type(plain[0]).__name__}, which would round small updates away; step them with {fix}"
         )
 
 

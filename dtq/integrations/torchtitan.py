@@ -6,8 +6,18 @@ initialized (``init_states``). :class:`DtqConverter` replaces each Linear config
 a :class:`DtqLinear` config (keeping its ``param_init``); the built :class:`DtqLinear` is a
 ``dtq.nn.Linear`` (so an ``nn.Linear``) and a torchtitan ``Module`` with the recipe bound as its
 default, so it quantizes also where torchtitan calls it outside the model's forward (the chunked
-loss calls ``lm_head`` itself). Its parameters stay high precision: they are the master weights,
-and FSDP2 gathers them quantized.
+loss calls ``lm_head`` itself). By default its parameters stay high precision: they are the
+master weights, and FSDP2 gathers them quantized.
+
+With ``DtqConverter.Config(quantized_params=True)`` each :class:`DtqLinear` weight is a dtq
+quantized parameter (what ``dtq.convert(quantized_params=True)`` makes): created on the meta
+device as a QuantizedTensor of zero payloads, so ``fully_shard`` shards the payloads; after
+``to_empty``, ``init_states`` initializes a high-precision tensor of the same sharding
+(``param_init``, else ``nn.Linear``'s default) and casts it into the payloads with
+``dtq.parallel.quantize_master_weights`` (per-tensor amaxes reduced over the FSDP2 shards): the
+payloads are bitwise the quantization of the whole initial weight. Such weights are stepped by
+:class:`MasterWeightOptimizersContainer` (torchtitan's optimizer container, each optimizer a
+``dtq.optim.MasterWeightOptimizer``), which torchtitan's checkpointer saves with the masters.
 
 :func:`post_optimizer_build_fn` (``ModelSpec.post_optimizer_build_fn``) runs each model part's
 forward inside ``dtq.autocast`` (delayed scaling: with the data x context parallel group, and
@@ -31,12 +41,20 @@ The lines a torchtitan config adds (a ``config_registry`` function)::
     config.parallelism.spmd_backend = "partial_dtensor"
     config.parallelism.tensor_parallel_degree = 2  # optional: run by dtq's styles
 
+and for quantized parameters (not with tensor parallelism)::
+
+    from dtq.integrations.torchtitan import master_weight_optimizers
+
+    config.model_spec = model_registry("debugmodel", converters=[
+        DtqConverter.Config(recipe="mxfp8", filter_fqns=["lm_head"], quantized_params=True)])
+    config.optimizer = master_weight_optimizers(config.optimizer)
+
 Not supported (refused, by name, when a :class:`DtqLinear` would meet them): the "full_dtensor" /
 "spmd_types" backends, which distribute every parameter themselves; TP sharding configs that
 dtq's styles cannot run (a rowwise output left partial, a colwise output gathered, ``local_map``,
 ...); a TP shard the recipe cannot quantize; delayed scaling under TP and pipeline parallelism
-together. Quantized parameters need the weights' values before ``fully_shard`` and torchtitan
-creates them after it, so this converter keeps high-precision parameters.
+together; quantized parameters under tensor parallelism; quantized parameters stepped by a plain
+optimizer.
 """
 
 from __future__ import annotations
@@ -47,16 +65,21 @@ import os
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
+from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.protocols.model import ModelConfigConverter
 from torchtitan.protocols.module import Module
 
+from dtq._torch_private import local_tensor
 from dtq.autocast import autocast
-from dtq.convert import FILTERED, ConvertReport
+from dtq.convert import FILTERED, ConvertReport, quantize_module_weights
 from dtq.integrations._common import check_master_weights, has_dtq_modules, precompute_after_steps
 from dtq.integrations._torchtitan_tp import tp_style
 from dtq.nn.linear import Linear
 from dtq.nn.module import QuantizedModule
+from dtq.optim import MasterWeightOptimizer, _is_quantized
+from dtq.parallel.master import quantize_master_weights
 from dtq.presets import recipe_from_name
 from dtq.recipe import Recipe
 from dtq.shapes import linear_problem, shape_problems
@@ -76,6 +99,8 @@ class DtqLinear(Linear, Module):
         """A ``dtq.presets`` name ("fp8", "mxfp8", "nvfp4", "hybrid", ...) or "package.module:function"."""
         name: str = ""
         """The module's fully qualified name (its quantizer roles' name)."""
+        quantized_params: bool = False
+        """Store the weight as a dtq quantized parameter (``dtq.convert(quantized_params=True)``'s)."""
 
     def __init__(self, config: Config):
         Linear.__init__(self, config.in_features, config.out_features, config.bias, name=config.name)
@@ -84,6 +109,33 @@ class DtqLinear(Linear, Module):
         self.gemm_state.default_recipe = recipe
         if recipe.delayed:  # its amax histories now, so a fresh model's state dict has their keys
             self.init_recipe_state(recipe)
+        if config.quantized_params:  # on the meta device: zero payloads, written by init_states
+            quantize_module_weights(self, recipe, fqn=config.name)
+
+    # torchtitan's checkpointer (ModelWrapper) takes every state-dict value for a tensor, which the
+    # extra state (a dict recording each quantized weight's format) is not; the payload entries'
+    # keys name the format too (a digest of its settings), so loading another format still stops.
+    get_extra_state = torch.nn.Module.get_extra_state
+    set_extra_state = torch.nn.Module.set_extra_state
+
+    def _init_self_parameters(self) -> None:
+        """torchtitan's parameter initialization (after ``to_empty``). A quantized weight cannot be
+        initialized in place (its payloads are codes, and an FSDP2 shard holds a part of a
+        per-tensor scale's tensor), so a high-precision tensor of the same sharding is initialized
+        instead (``param_init``, else ``nn.Linear``'s default) and cast into the payloads by the
+        routine ``MasterWeightOptimizer`` casts its masters with: per-tensor amaxes are reduced
+        over the shards, so the payloads are bitwise the quantization of the whole weight."""
+        quantized = {n: p for n, p in self._parameters.items() if p is not None and _is_quantized(p)}
+        if not quantized:
+            Module._init_self_parameters(self)
+            return
+        masters = {n: _high_precision_like(p) for n, p in quantized.items()}
+        self._parameters.update(masters)
+        try:
+            Module._init_self_parameters(self)
+        finally:
+            self._parameters.update(quantized)
+        _cast_into(list(quantized.values()), list(masters.values()))
 
     def _init_self_buffers(self, *, buffer_device: torch.device | None = None) -> None:
         """torchtitan's buffer initialization (after ``to_empty``): empty amax histories."""
@@ -100,6 +152,14 @@ class DtqLinear(Linear, Module):
         distribute every parameter themselves, are refused by name."""
         config = self._sharding_config
         backend = getattr(parallel_dims, "spmd_backend", "partial_dtensor")
+        if config is not None and parallel_dims.tp_enabled and any(_is_quantized(p) for p in self.parameters()):
+            raise NotImplementedError(
+                f"dtq.integrations.torchtitan: {self.name or 'a DtqLinear'} holds a quantized parameter "
+                f"(DtqConverter.Config(quantized_params=True)) and would be tensor-parallelized "
+                f"(tensor_parallel_degree={parallel_dims.tp}), which the torchtitan integration does not support: "
+                "use quantized_params=False under tensor parallelism (high-precision master weights, gathered and "
+                "multiplied quantized), or keep the layer out with DtqConverter.Config(filter_fqns=[...])"
+            )
         if config is not None and backend != "partial_dtensor":
             raise NotImplementedError(
                 f"dtq.integrations.torchtitan: {self.name or 'a DtqLinear'} would be sharded by torchtitan's sharding "
@@ -138,6 +198,29 @@ class DtqLinear(Linear, Module):
             )
 
 
+def _high_precision_like(p: torch.Tensor) -> torch.nn.Parameter:
+    """An uninitialized high-precision tensor sharded as the quantized parameter ``p`` is (a
+    DTensor on its mesh and placements under FSDP2), for ``param_init`` to fill."""
+    local = local_tensor(p)
+    data = torch.empty(local.shape, dtype=p.dtype, device=local.device)
+    if isinstance(p, DTensor):
+        data = DTensor.from_local(data, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return torch.nn.Parameter(data, requires_grad=False)
+
+
+@torch.no_grad()
+def _cast_into(params: list[torch.Tensor], masters: list[torch.Tensor]) -> None:
+    """Quantize each master into its parameter's payloads: FSDP2 shards with their amaxes reduced
+    over the mesh (``quantize_master_weights``); a whole weight without a collective (``copy_``
+    requantizes it), since ranks of different pipeline stages hold different weights."""
+    sharded = [(p, local_tensor(m)) for p, m in zip(params, masters) if isinstance(p, DTensor)]
+    for p, m in zip(params, masters):
+        if not isinstance(p, DTensor):
+            p.copy_(m)
+    if sharded:
+        quantize_master_weights(*zip(*sharded))
+
+
 def _convertible(cfg: Any) -> str | None:
     """Why a config's module must stay as it is (None: it is a plain Linear)."""
     owner = getattr(type(cfg), "_owner", None)
@@ -167,6 +250,9 @@ class DtqConverter(ModelConfigConverter):
         """Ranks FSDP2 shards each weight over, for the shape check; 0: WORLD_SIZE (every rank)."""
         strict: bool = False
         """Raise, naming every layer the recipe cannot quantize, instead of keeping them."""
+        quantized_params: bool = False
+        """Store the converted weights as dtq quantized parameters (FSDP2 shards and gathers their
+        payloads); step them with :class:`MasterWeightOptimizersContainer`."""
 
     def __init__(self, config: Config):
         self.config = config
@@ -194,6 +280,7 @@ class DtqConverter(ModelConfigConverter):
                 sharding_config=sub.sharding_config,
                 recipe=cfg.recipe,
                 name=fqn,
+                quantized_params=cfg.quantized_params,
             )
             swaps.append((parent, attr, new))
             converted.append(fqn)
@@ -209,6 +296,32 @@ class DtqConverter(ModelConfigConverter):
             else:
                 setattr(parent, attr, new)
         return model_config
+
+
+class MasterWeightOptimizersContainer(OptimizersContainer):
+    """torchtitan's ``OptimizersContainer`` (same config: parameter groups by pattern, implementation)
+    whose every optimizer is a ``dtq.optim.MasterWeightOptimizer`` around the one its group names:
+    it steps FP32 masters of the quantized parameters and casts them into their payloads. torchtitan
+    checkpoints it as it does its own (flat, FQN-keyed state; each quantized parameter's master is
+    one more state entry, ``master``)."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(OptimizersContainer.Config):
+        pass
+
+    @staticmethod
+    def _resolve_optimizer_factory(name: str) -> Any:
+        return functools.partial(
+            MasterWeightOptimizer, optimizer_cls=OptimizersContainer._resolve_optimizer_factory(name)
+        )
+
+
+def master_weight_optimizers(config: OptimizersContainer.Config) -> MasterWeightOptimizersContainer.Config:
+    """``config`` (e.g. torchtitan's ``default_adamw(lr=...)``) building a
+    :class:`MasterWeightOptimizersContainer`: ``config.optimizer = master_weight_optimizers(config.optimizer)``."""
+    return MasterWeightOptimizersContainer.Config(
+        **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    )
 
 
 def _bound_recipe(part: torch.nn.Module) -> Recipe | None:
@@ -252,12 +365,18 @@ def post_optimizer_build_fn(
     Quantized parameters stepped by a plain optimizer are refused (updates would round away)."""
     parts = [p for p in model_parts if has_dtq_modules(p)]
     for part in parts:
-        check_master_weights("dtq.integrations.torchtitan", part, list(optimizers))
+        check_master_weights("dtq.integrations.torchtitan", part, list(optimizers), fix=_MASTER_FIX)
         recipe = _bound_recipe(part)
         if recipe is not None:
             _autocast_forward(part, recipe, _amax_group(recipe, parallel_dims))
     precompute = precompute_after_steps(optimizers, parts)
     precompute()  # the weights are initialized by now: the first step's gathers find their amaxes too
+
+
+_MASTER_FIX = (
+    "config.optimizer = dtq.integrations.torchtitan.master_weight_optimizers(config.optimizer) "
+    "(DtqConverter.Config(quantized_params=True) needs it; quantized_params=False keeps high-precision parameters)"
+)
 
 
 def _amax_group(recipe: Recipe, parallel_dims: Any) -> Any:
@@ -284,4 +403,10 @@ def _amax_group(recipe: Recipe, parallel_dims: Any) -> Any:
     return dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
 
 
-__all__ = ["DtqConverter", "DtqLinear", "post_optimizer_build_fn"]
+__all__ = [
+    "DtqConverter",
+    "DtqLinear",
+    "MasterWeightOptimizersContainer",
+    "master_weight_optimizers",
+    "post_optimizer_build_fn",
+]

@@ -10,8 +10,10 @@ initialized by ``init_weights``, trained by its optimizer container.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import warnings
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import dtq
 from dtq.autocast import autocast_active
+from dtq.presets import recipe_from_name
 from dtq.testing import spawn
 
 H = 64
@@ -106,21 +109,36 @@ def _titan_tiny():
     return Tiny
 
 
-def _titan_model_config():
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+
+
+def _titan_model_config(drawn: dict | None = None):
     """A torchtitan-protocol config tree: two residual blocks and an output projection (100
-    outputs: no MX blocks fit), each Linear config carrying torchtitan's per-parameter init."""
+    outputs: no MX blocks fit), each Linear config carrying torchtitan's per-parameter init.
+    With ``drawn``: each init records the whole weight it drew there (by name), and layers.1.w1
+    is left to nn.Linear's default initialization."""
 
     TitanLinear, Block = _titan_ffn(residual=True)
 
     Tiny = _titan_tiny()
 
-    def linear(i, o):
-        return TitanLinear.Config(
-            in_features=i, out_features=o, param_init={"weight": lambda p: torch.nn.init.trunc_normal_(p, std=0.05)}
-        )
+    def init(name):
+        def trunc_normal(p):
+            torch.nn.init.trunc_normal_(p, std=0.05)
+            if drawn is not None:
+                drawn[f"{name}.weight"] = _whole(p)
+
+        return None if drawn is not None and name == "layers.1.w1" else {"weight": trunc_normal}
+
+    def linear(i, o, name):
+        return TitanLinear.Config(in_features=i, out_features=o, param_init=init(name))
 
     return Tiny.Config(
-        layers=[Block.Config(w1=linear(H, 2 * H), w2=linear(2 * H, H)) for _ in range(2)], output=linear(H, 100)
+        layers=[
+            Block.Config(w1=linear(H, 2 * H, f"layers.{i}.w1"), w2=linear(2 * H, H, f"layers.{i}.w2")) for i in range(2)
+        ],
+        output=linear(H, 100, "output"),
     )
 
 
@@ -171,17 +189,28 @@ def _train_titan(rank, world, recipe):
         key = local._amax_cache[0]  # (wrapper version, data version, quantizer, dtype): dtq.distributed.gather.amax_key
         assert key[:2] == (local._version, dtq.weights.unwrap(local)._version)
     assert seen == [True] * 3 and losses[2] < losses[0], (seen, losses)
-    return model
+    return model, optimizers
 
 
-def _check_titan(rank, world):
+def _check_titan(rank, world, root):
+    from tests.parallel.test_sharded_equals_single import _state
+
     dtq.parallel.comm_stats(reset=True)
-    _train_titan(rank, world, "fp8")
+    model, optimizers = _train_titan(rank, world, "fp8")
     stats = dtq.parallel.comm_stats()
     assert stats.get("fp8/rowwise", 0) > 0 and stats.get("fp8/columnwise", 0) > 0, stats
+    # torchtitan's checkpointer saves and restores the high-precision dtq weights
+    checkpointer = _titan_checkpointer(root, model, optimizers)
+    assert checkpointer.save(curr_step=3)
+    saved = _state(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    assert checkpointer.load(step=3)
+    _check_same(_state(model), saved)
     # delayed scaling: the forward's dtq.autocast reduces the amaxes over the data-parallel ranks,
     # so ranks that saw different tokens keep identical histories (and they start at zero)
-    model = _train_titan(rank, world, "fp8-delayed")
+    model, _ = _train_titan(rank, world, "fp8-delayed")
     hist = torch.cat([b.flatten() for n, b in model.named_buffers() if "amax_history_" in n])
     assert hist.numel() and hist.abs().sum() > 0
     both = [torch.empty_like(hist) for _ in range(world)]
@@ -189,9 +218,193 @@ def _check_titan(rank, world):
     assert torch.equal(both[0], both[1])
 
 
-def test_torchtitan_converter_trains_under_fsdp2():
+def test_torchtitan_converter_trains_under_fsdp2(tmp_path):
     pytest.importorskip("torchtitan.protocols.model", reason="torchtitan is not installed")
-    spawn(_check_titan, 2, backend="gloo")
+    spawn(_check_titan, 2, str(tmp_path), backend="gloo")
+
+
+QP_RECIPES = ("fp8-delayed", "fp8", "mxfp8")  # a per-tensor scale (its amax reduced over the shards), 32-row blocks
+ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)  # torchtitan's default_adamw
+
+
+class _PlainTiny(torch.nn.Module):
+    """The tiny torchtitan model's computation and parameter names, in plain torch modules (for
+    ``dtq.convert``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.ModuleDict(
+                {"w1": torch.nn.Linear(H, 2 * H, bias=False), "w2": torch.nn.Linear(2 * H, H, bias=False)}
+            )
+            for _ in range(2)
+        )
+        self.output = torch.nn.Linear(H, 100, bias=False)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer["w2"](F.relu(layer["w1"](x)))
+        return self.output(x)
+
+
+@contextlib.contextmanager
+def _recording_default_init(drawn: dict | None):
+    """nn.Linear's default initialization (kaiming_uniform_), recording the whole weight it drew as
+    layers.1.w1's (the one layer _titan_model_config(drawn) leaves to it)."""
+    real = torch.nn.init.kaiming_uniform_
+
+    def recording(t, *args, **kwargs):
+        out = real(t, *args, **kwargs)
+        assert "layers.1.w1.weight" not in drawn
+        drawn["layers.1.w1.weight"] = _whole(t)
+        return out
+
+    torch.nn.init.kaiming_uniform_ = real if drawn is None else recording
+    try:
+        yield
+    finally:
+        torch.nn.init.kaiming_uniform_ = real
+
+
+def _titan_quantized(recipe: str, mesh, drawn: dict | None = None, seed: int = 100):
+    """The tiny model built as torchtitan's trainer builds it, converted with quantized
+    parameters: on the meta device, FSDP2-sharded, materialized, initialized by init_weights.
+    DTensor's random ops on a CPU mesh draw each shard from its rank's generator: seeded apart,
+    so that the shards differ (equal shards would have their global amax as local one)."""
+    from dtq.integrations.torchtitan import DtqConverter
+
+    converter = DtqConverter.Config(recipe=recipe, filter_fqns=["layers.1.w2"], quantized_params=True).build()
+    config = converter.convert(_titan_model_config(drawn))
+    with torch.device("meta"):
+        model = config.build()
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed + mesh.get_local_rank())
+    with torch.no_grad(), _recording_default_init(drawn):
+        model.init_weights()
+    return model
+
+
+def _titan_optimizers(model, master_weights: bool = True):
+    """torchtitan's optimizer container for ``model``: default_adamw's config, through
+    master_weight_optimizers unless ``master_weights=False``."""
+    from torchtitan.components.optimizer.optimizer import default_adamw
+
+    from dtq.integrations.torchtitan import master_weight_optimizers
+
+    config = default_adamw(**ADAMW)
+    config.implementation = "for-loop"
+    return (master_weight_optimizers(config) if master_weights else config).build(model_parts=[model])
+
+
+def _steps(model, optimizer, n: int, recipe=None) -> torch.Tensor:
+    """``n`` steps on the whole batch (every rank the same), under ``dtq.autocast(recipe)`` if given."""
+    x, y = _data(n=64, out=100)
+    losses = []
+    for _ in range(n):
+        with dtq.autocast(recipe) if recipe is not None else contextlib.nullcontext():
+            loss = F.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def _single_process(recipe: str, drawn: dict):
+    """The same model in one process, from the same initial weights, by dtq.convert(quantized_params=True)."""
+    ref = _PlainTiny()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(drawn[name])
+    dtq.convert(
+        ref,
+        recipe=recipe_from_name(recipe),
+        quantized_params=True,
+        fsdp_world=2,
+        module_filter_fn=lambda m, fqn: fqn != "layers.1.w2",
+    )
+    return ref, dtq.optim.MasterWeightOptimizer(ref.parameters(), torch.optim.AdamW, foreach=False, **ADAMW)
+
+
+def _check_titan_quantized(rank, world, root):
+    from dtq.integrations.torchtitan import post_optimizer_build_fn
+    from tests.parallel.test_sharded_equals_single import _compare, _state
+
+    mesh = init_device_mesh("cpu", (world,))
+    none = torch.zeros(0)
+    for recipe in QP_RECIPES:
+        drawn: dict = {}
+        model = _titan_quantized(recipe, mesh, drawn)
+        ref, ref_opt = _single_process(recipe, drawn)
+        quantized = sorted(n for n, p in model.named_parameters() if isinstance(p.to_local(), dtq.QuantizedTensor))
+        assert quantized == sorted(n for n, p in ref.named_parameters() if isinstance(p, dtq.QuantizedTensor))
+        assert len(quantized) == (3 if recipe == "mxfp8" else 4), quantized  # MXFP8 keeps output [100, 64]
+        _compare(recipe, "initial payloads", none, none, model, ref)
+        with pytest.raises(
+            ValueError, match=r"torchtitan: layers\.0\.w1\.weight \(and \d more\) .* by AdamW.*quantized_"
+        ):
+            post_optimizer_build_fn(_titan_optimizers(model, master_weights=False), [model], None)
+        optimizers = _titan_optimizers(model)
+        post_optimizer_build_fn(optimizers, [model], None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            losses = _steps(model, optimizers, 3)
+        assert not [w for w in caught if "quantized parameter" in str(w.message)], caught  # the masters step them
+        _compare(recipe, "trained", losses, _steps(ref, ref_opt, 3, recipe_from_name(recipe)), model, ref)
+        assert losses[-1] < losses[0], losses
+        # torchtitan's checkpointer (the model's state dict and the container's flat state,
+        # through DCP), into a model and optimizers built and initialized anew
+        assert _titan_checkpointer(f"{root}/{recipe}", model, optimizers).save(curr_step=3)
+        loaded = _titan_quantized(recipe, mesh, seed=200)
+        loaded_opts = _titan_optimizers(loaded)
+        post_optimizer_build_fn(loaded_opts, [loaded], None)
+        assert _titan_checkpointer(f"{root}/{recipe}", loaded, loaded_opts).load(step=3)
+        _check_same(_state(loaded), _state(model))
+        flat = _flat_local(optimizers.state_dict())
+        assert sum(k.endswith(".master") for k in flat) == len(quantized), sorted(flat)
+        _check_same(_flat_local(loaded_opts.state_dict()), flat)
+        assert torch.equal(_steps(loaded, loaded_opts, 1), _steps(model, optimizers, 1))
+        _check_same(_state(loaded), _state(model))
+
+
+def _titan_checkpointer(folder: str, model, optimizers):
+    """torchtitan's checkpoint manager (DCP, synchronous) for one model part and its optimizers."""
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    config = CheckpointManager.Config(
+        enable=True, folder=folder, interval=1, keep_latest_k=0, initial_load_model_only=False
+    )
+    return config.build(
+        dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=None, states={}, sd_adapter=None
+    )
+
+
+def _flat_local(flat: dict) -> dict:
+    """torchtitan's flat optimizer state: this rank's tensors (the masters among them) as bits."""
+    return {k: dtq.weights.local_data(v.to_local() if hasattr(v, "to_local") else v) for k, v in flat.items()}
+
+
+def _check_same(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want), sorted(set(got) ^ set(want))
+    for k, v in want.items():
+        same = (
+            torch.equal(got[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))
+            if isinstance(v, torch.Tensor)
+            else got[k] == v
+        )
+        assert same, k
+
+
+def test_torchtitan_quantized_params_match_single_process(tmp_path):
+    """DtqConverter.Config(quantized_params=True) under FSDP2 on 2 ranks, with torchtitan's build
+    order and optimizer container: initial payloads, losses and trained payloads bitwise the
+    single-process dtq.convert(quantized_params=True) run; a plain optimizer refused by name;
+    torchtitan's checkpoint round trip bitwise."""
+    pytest.importorskip("torchtitan.protocols.model", reason="torchtitan is not installed")
+    spawn(_check_titan_quantized, 2, str(tmp_path), backend="gloo")
 
 
 S, B, FFN = 32, 2, 2 * H  # batch-first activations [B, S, H], torchtitan's layout
@@ -448,6 +661,14 @@ def test_torchtitan_sharding_dtq_cannot_run_is_refused():
         assert not hasattr(lin.weight, "device_mesh"), what  # nothing was sharded
     with pytest.raises(ValueError, match=r"tensor_parallel_degree=2, MXFP8BlockScaling cannot quantize layers\.0\.wq"):
         layer(colwise(), out=96).parallelize(dims)  # 48-row shards: no whole 32-row MXFP8 blocks
+    quantized = DtqLinear.Config(
+        in_features=H, out_features=H, name="layers.0.wq", sharding_config=colwise(), quantized_params=True
+    ).build()
+    with pytest.raises(
+        NotImplementedError, match=r"layers\.0\.wq holds a quantized parameter .*tensor_parallel_degree=2"
+    ):
+        quantized.parallelize(dims)
+    assert not hasattr(quantized.weight, "device_mesh")
     # delayed scaling under TP shares histories over every rank, which pipeline stages cannot
     from dtq.integrations.torchtitan import post_optimizer_build_fn
 
@@ -468,3 +689,32 @@ def test_torchtitan_converter_reports_and_strict(caplog):
     assert "kept output: MXFP8BlockScaling cannot quantize its weight [100, 64]" in caplog.text
     with pytest.raises(ValueError, match=r"DtqConverter\(strict=True\).*\n  output: MXFP8BlockScaling"):
         DtqConverter.Config(recipe="mxfp8", strict=True).build().convert(_titan_model_config())
+
+
+def test_torchtitan_quantized_linear_in_one_process():
+    """Without FSDP2 (one process, or a pipeline stage without data-parallel sharding) a quantized
+    DtqLinear built on the meta device is initialized without a collective: its payloads are
+    bitwise the quantization of the weight its param_init drew."""
+    pytest.importorskip("torchtitan.protocols.model", reason="torchtitan is not installed")
+    from dtq.integrations.torchtitan import DtqLinear
+
+    drawn = {}
+
+    def init(p):
+        torch.nn.init.trunc_normal_(p, std=0.05)
+        drawn["weight"] = p.detach().clone()
+
+    config = DtqLinear.Config(
+        in_features=H, out_features=2 * H, recipe="fp8", name="w1", quantized_params=True, param_init={"weight": init}
+    )
+    with torch.device("meta"):
+        layer = config.build()
+    assert isinstance(layer.weight, dtq.QuantizedTensor) and layer.weight.device.type == "meta"
+    layer.to_empty(device="cpu")
+    with torch.no_grad():
+        layer.init_states()
+    want = layer.weight.quantizer.quantize(drawn["weight"])
+    for d in want.directions:
+        for k, v in want.payload(d).items():
+            got = layer.weight.payload(d)[k]
+            assert torch.equal(got.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), (d, k)
