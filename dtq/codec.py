@@ -86,7 +86,17 @@ class Codec:
         return ()
 
     def local_amax(self, x: torch.Tensor) -> torch.Tensor:
-        return x.abs().amax().to(torch.float32) if x.numel() else torch.zeros((), device=x.device)
+        """``max|x|`` over the whole tensor, as a 0-dim fp32 tensor (the default: one scale per
+        tensor). On a GPU with dtq's kernels, one read of ``x`` instead of an ``abs`` copy and a
+        reduction (the value is exact either way: a maximum rounds nothing)."""
+        if not x.numel():
+            return torch.zeros((), device=x.device)
+        if x.is_cuda and x.dim() == 2 and x.is_contiguous():
+            from dtq import kernels
+
+            if x.dtype in kernels.INPUT_DTYPES and kernels.available(x.device):
+                return kernels.amax(x, True, None)[0]
+        return x.abs().amax().to(torch.float32)
 
     def scales_from_block_amax(self) -> bool:
         """Whether each block scale is a function of the block's amax (and the tensor-wide, row or

@@ -174,7 +174,7 @@ def _unpack(output: torch.Tensor, meta: _GatherMeta) -> list[torch.Tensor]:
             valid = max(0, min(pad_rows, full_rows - r * pad_rows))  # payload rows this rank really has
             t = per_rank[r, offset : offset + nbytes].view(dtype).view(shape)
             pieces.append(t[: -(-valid // rows_per_entry)])
-        fields.append(torch.cat(pieces))
+        fields.append(pieces[0] if world == 1 else torch.cat(pieces))
         offset += nbytes
     return fields
 
@@ -211,9 +211,10 @@ def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, fa
     fields = inputs
     packed = None
     uneven = full_shape[0] % world != 0
-    if world == 1 or uneven:
+    if uneven or (world == 1 and len(inputs) > 1):
         # FSDP2's single-rank shortcut copies only the first all-gather input, and with uneven
-        # shards it wants every input in the padded shard's shape: pack all fields into one.
+        # shards it wants every input in the padded shard's shape: pack all fields into one (a
+        # single field on one rank travels as it is, sparing two copies of the weight).
         pad_rows = _padded_rows(full_shape, world) * _rows_per_index(full_shape)
         specs, padded = [], []
         for (d, field), t in zip(layout, inputs):
@@ -267,7 +268,7 @@ def high_precision_pre_all_gather(weight: torch.Tensor, data: torch.Tensor, mesh
     else:
         _check_alignment(ctx, quantizer, dirs, outer_size, world)
         dirs, derived = split_derived(quantizer, dirs, shape_2d(shard.shape))
-        amax = _global_amax(weight, data, quantizer, shard, mesh, ctx.param_name, dirs)
+        amax = _global_amax(weight, data, quantizer, shard, mesh, ctx.param_name, dirs, plan.weight_amax is None)
         if plan.weight_amax is not None:
             amax = plan.weight_amax(amax)
         payloads = quantize_payloads(quantizer, shard, dirs, amax=amax)
@@ -318,12 +319,25 @@ def _amax_directions(quantizer: Quantizer, dirs) -> set[str]:
 
 
 def _global_amax(
-    local: torch.Tensor, data: torch.Tensor, quantizer: Quantizer, shard: torch.Tensor, mesh, name: str, dirs
-):
+    local: torch.Tensor,
+    data: torch.Tensor,
+    quantizer: Quantizer,
+    shard: torch.Tensor,
+    mesh,
+    name: str,
+    dirs,
+    fused: bool = False,
+) -> dict | None:
+    """The whole weight's amaxes for quantizing ``shard``: cached (``precompute_amax``, or an
+    earlier gather of the same values), or taken and reduced now. None when the shard is the whole
+    weight and ``fused`` (the caller quantizes with the amax as it is): the quantize then takes
+    the amax in the same pass as the values, as it would for the unsharded weight."""
     key = amax_key(local, data, quantizer, shard.dtype)
     cached = local.cached_amax(key)
     if cached is not None and _amax_directions(quantizer, dirs) <= set(cached):
         return cached
+    if fused and mesh.size() == 1:
+        return None
 
     def reduce(amax: dict) -> dict:
         if mesh.size() == 1:

@@ -95,12 +95,15 @@ class Quantizer:
         reduced ``rowwise_amax`` for its local value and reduce that too
         (``dtq.distributed.amax.sharded_amax`` does both rounds). Plain formats ignore ``rowwise_amax``."""
         x2 = as_2d(x, self)
-        out = {}
+        out, whole = {}, None
         for d in wanted_directions(rowwise, columnwise):
             c = self.codec(d)
             if c.needs_amax():
                 c.check_shape(tuple(x2.shape))
-                out[d] = c.local_amax(x2)
+                if type(c).local_amax is not Codec.local_amax:
+                    out[d] = c.local_amax(x2)
+                else:  # the tensor-wide max|x|: the same value for every direction that takes it
+                    whole = out[d] = c.local_amax(x2) if whole is None else whole
         return out
 
     def quantize(

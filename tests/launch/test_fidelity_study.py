@@ -20,7 +20,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def test_study_script_trains_each_recipe_and_summarises_them(tmp_path):
     """Two recipes, 3 steps each (logged every step, evaluated at 2 and 3): each run's metrics and
-    console land in $OUT/<recipe>.*, and fidelity.md / .json compare them with the BF16 run."""
+    console land in $OUT/<recipe>.*, and fidelity.md / .json compare them with the BF16 run.
+    Resharding after forward: on one rank the default keeps the weights the step-2 evaluation
+    gathered for step 3, which then gathers nothing, and the table's gathered bytes are step 3's."""
     out = tmp_path / "out"
     env = _env() | {
         "OUT": str(out),
@@ -29,7 +31,7 @@ def test_study_script_trains_each_recipe_and_summarises_them(tmp_path):
         "STEPS": "3",
         "RECIPES": "bf16 hybrid",
         "EXTRA": "--set data.max_bytes=300000 --set train.log_every=1 --set train.eval_every=2 "
-        "--set train.eval_batches=1",
+        "--set train.eval_batches=1 --set parallel.reshard_after_forward=true",
         "PYTHON": sys.executable,
     }
     proc = subprocess.run(

@@ -349,6 +349,19 @@ def _check_amax_and_mixed_precision(rank, world):
     )
     assert stats == {"fp8/rowwise": n_elems, "fp8/columnwise": n_elems}
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    # precompute_amax takes the fp32 shards' amax cast to bf16 (the bf16 casts' amax, without
+    # making them): bitwise what gathers that reduce the amaxes of their casts themselves give
+    for fmt in ("fp8", "fp8_row", "hybrid_mxfp8_nvfp4"):
+        outs = []
+        for precompute in (True, False):
+            model = _shard(_model(), mesh, True, mp)
+            if precompute:
+                dtq.parallel.precompute_amax(model, _recipes()[fmt])
+            with dtq.autocast(_recipes()[fmt]):
+                y = model(x.bfloat16())
+            y.float().square().mean().backward()
+            outs.append([y.float(), *(p.grad._local_tensor for p in model.parameters())])
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(*outs)), fmt
 
 
 def test_precomputed_amax_and_mixed_precision_2_ranks():

@@ -183,3 +183,24 @@ def _check_hsdp(rank, world):
 
 def test_hsdp_2x2_equals_single_process():
     spawn(_check_hsdp, 4, backend="gloo")
+
+
+def _check_one_rank(rank, world):
+    """FSDP2 over one rank (the trainer on one GPU): its gathers take the single-rank shortcut,
+    where one payload field travels as it is and several are packed into one input, and whose
+    amaxes the quantize pass takes (recipes with one field per direction, several, a hybrid)."""
+    mesh = init_device_mesh("cpu", (world,))
+    for recipe_name in ("fp8", "mxfp8", "hybrid_mxfp8_nvfp4"):
+        recipe = RECIPES[recipe_name]()
+        for qp in (False, True):
+            ref = _model(recipe, qp, recompute=False)
+            ref_losses = _train(ref, recipe, qp, precompute=False)
+            for raf in (True, False):
+                model = _model(recipe, qp, recompute=False)
+                _shard(model, mesh, "block", raf)
+                losses = _train(model, recipe, qp, precompute=not qp)
+                _compare(recipe_name, dict(world=1, quantized_params=qp, raf=raf), losses, ref_losses, model, ref)
+
+
+def test_fsdp2_on_one_rank_equals_single_process():
+    spawn(_check_one_rank, 1, backend="gloo")
