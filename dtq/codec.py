@@ -98,6 +98,14 @@ class Codec:
                 return kernels.amax(x, True, None)[0]
         return x.abs().amax().to(torch.float32)
 
+    def amax_is_tensor_max(self) -> bool:
+        """Whether :meth:`local_amax` is ``max|x|`` over the whole tensor (this class's default):
+        then every direction taking it shares one value, and the amax of ``x`` cast to another
+        float dtype is the cast of ``x``'s amax (rounding is monotone and symmetric). A format
+        whose amax is taken another way (per column, after a transform) overrides ``local_amax``
+        and so answers False."""
+        return type(self).local_amax is Codec.local_amax
+
     def scales_from_block_amax(self) -> bool:
         """Whether each block scale is a function of the block's amax (and the tensor-wide, row or
         column amax) alone: a flat-slice master cast fills the elements it does not own with their

@@ -100,7 +100,7 @@ class Quantizer:
             c = self.codec(d)
             if c.needs_amax():
                 c.check_shape(tuple(x2.shape))
-                if type(c).local_amax is not Codec.local_amax:
+                if not c.amax_is_tensor_max():
                     out[d] = c.local_amax(x2)
                 else:  # the tensor-wide max|x|: the same value for every direction that takes it
                     whole = out[d] = c.local_amax(x2) if whole is None else whole

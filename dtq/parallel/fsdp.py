@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from dtq._torch_private import fsdp_gather_dtype, fsdp_holds, fsdp_shard_group, gather_context
 from dtq.autocast import active_recipe
-from dtq.codec import DIRECTIONS, Codec
+from dtq.codec import DIRECTIONS
 from dtq.distributed.amax import all_reduce_max, sharded_amaxes
 from dtq.distributed.gather import amax_key
 from dtq.distributed.world import check_launched_world
@@ -76,9 +76,9 @@ def precompute_amax(model: torch.nn.Module, recipe=None) -> None:
 
 
 def _amax_commutes_with_cast(q) -> bool:
-    """Whether every amax ``q`` takes is the tensor-wide ``max|x|`` (``Codec.local_amax``) and none
+    """Whether every amax ``q`` takes is the tensor-wide ``max|x|`` (``Codec.amax_is_tensor_max``) and none
     is deferred: then the amax of the weight cast to the gather's dtype is the cast of its amax,
     and the cast of the whole shard (a copy of every weight per step) can be skipped. Formats that
     take their amax another way (per column, after a transform, from another direction) keep it."""
     codecs = [q.codec(d) for d in DIRECTIONS]
-    return not q.deferred_amax() and all(type(c).local_amax is Codec.local_amax for c in codecs if c.needs_amax())
+    return not q.deferred_amax() and all(c.amax_is_tensor_max() for c in codecs if c.needs_amax())

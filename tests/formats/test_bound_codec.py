@@ -216,3 +216,24 @@ def test_a_new_format_is_one_registered_codec(monkeypatch):
     assert type(piece) is dtq.QuantizedTensor and torch.equal(piece.dequantize(), t.dequantize()[:64])
     with pytest.raises(RuntimeError, match="already has a codec"):
         base.register(_Bf16Quantizer)(_Bf16Codec)
+
+
+@pytest.mark.parametrize("q", QUANTIZERS, ids=repr)
+@pytest.mark.parametrize("d", base.DIRECTIONS)
+def test_a_tensor_max_amax_commutes_with_casts(q, d):
+    """A codec that says its amax is the tensor-wide max|x| (``amax_is_tensor_max``) is relied on
+    for two shortcuts: both directions share one value, and ``precompute_amax`` takes the amax of
+    an FP32 shard and casts it instead of casting the shard. Check both claims where it is made."""
+    c = q.codec(d)
+    if not (c.needs_amax() and c.amax_is_tensor_max()):
+        return
+    x = torch.randn(*SHAPE, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 3, SHAPE[1])
+    assert torch.equal(c.local_amax(x), x.abs().amax().float())
+    for dtype in (torch.bfloat16, torch.float16):
+        assert torch.equal(c.local_amax(x.to(dtype)), c.local_amax(x).to(dtype).float()), dtype
+
+
+def test_which_codecs_take_the_tensor_max():
+    assert dtq.Float8Quantizer().codec(base.ROWWISE).amax_is_tensor_max()
+    assert not dtq.Float8RowwiseQuantizer().codec(base.COLUMNWISE).amax_is_tensor_max()  # one per column
+    assert not dtq.NVFP4Quantizer(random_hadamard=True).codec(base.COLUMNWISE).amax_is_tensor_max()
