@@ -29,7 +29,8 @@ for da, db in [
     sa, sb = a.payload["scale_inv"].reshape(M, 1), b.payload["scale_inv"].reshape(1, N)
     for out in (torch.bfloat16, torch.float32, torch.float16):
         try:
-            got = torch._scaled_mm(_row_major(a), _col_major(b), scale_a=sa, scale_b=sb, out_dtype=out)
+            da, db = _row_major(a.payload, a.transpose), _col_major(b.payload, b.transpose)
+            got = torch._scaled_mm(da, db, scale_a=sa, scale_b=sb, out_dtype=out)
             print(f"{str(da):22s} x {str(db):22s} -> {str(out):15s} ok  rel={rel(got, ref):.2e}")
         except Exception as e:  # noqa: BLE001
             print(f"{str(da):22s} x {str(db):22s} -> {str(out):15s} ERR {str(e).splitlines()[0][:120]}")

@@ -17,7 +17,10 @@ constexpr uint32_t kCanonicalNaN = 0x7FC00000u;  // torch's float('nan')
 // Payload kinds one direction slot of the fused kernel can produce (mirrors dtq/kernels.py).
 // kFp8Row: FP8 with one scale per whole row (br, bc = 1, 0) or whole column (0, 1), derived from
 // the amax vector amax_in ([M] / [K]) that the axis-amax pass (amax.cu) or the caller wrote.
-enum SlotKind : int { kNone = 0, kFp8Scaled = 1, kMXFP8 = 2, kNVFP4 = 3, kIdentity = 4, kFp8Row = 5 };
+// kFp8ScaledT: per-tensor FP8 codes written transposed ([K, M], the layout cuBLAS's FP8 GEMMs take
+// for dgrad and wgrad), only as slot b beside the same per-tensor kFp8Scaled slot a: one output
+// (the codes; the scale is slot a's).
+enum SlotKind : int { kNone = 0, kFp8Scaled = 1, kMXFP8 = 2, kNVFP4 = 3, kIdentity = 4, kFp8Row = 5, kFp8ScaledT = 6 };
 // Element dtypes of inputs and identity outputs.
 enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 

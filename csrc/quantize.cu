@@ -32,6 +32,8 @@ template <typename T>
 bool launch(const at::Tensor& x, const SlotCfg& a, const SlotCfg& b);
 }  // namespace fast
 
+void transpose_u8(const at::Tensor& in, const at::Tensor& out);  // transpose.cu
+
 namespace {
 
 constexpr int kTile = 128;
@@ -508,7 +510,8 @@ SlotCfg make_cfg(const std::vector<int64_t>& c, const std::vector<at::Tensor>& o
     s.gmax = e4m3_host(c[13]) * 6.f;  // exact: 4 significant bits times 6
   }
   if (s.kind == kNone) return s;
-  const size_t need = s.kind == kNVFP4 ? 3 : (s.kind == kIdentity ? 1 : 2);
+  TORCH_CHECK(s.kind != kFp8ScaledT || (s.br == 0 && s.bc == 0), "dtq kernels: transposed FP8 codes are per-tensor");
+  const size_t need = s.kind == kNVFP4 ? 3 : ((s.kind == kIdentity || s.kind == kFp8ScaledT) ? 1 : 2);
   TORCH_CHECK(outs.size() == need, "dtq kernels: slot kind ", s.kind, " takes ", need, " output tensors");
   for (auto& o : outs) TORCH_CHECK(o.is_cuda() && o.is_contiguous(), "dtq kernels: outputs must be contiguous CUDA");
   s.data = outs[0].data_ptr();
@@ -522,7 +525,7 @@ SlotCfg make_cfg(const std::vector<int64_t>& c, const std::vector<at::Tensor>& o
                 "dtq kernels: a row-scaled NVFP4 slot needs a contiguous fp32 CUDA amax (and amax output) of ", n,
                 " values");
     s.amax_in = amax->data_ptr<float>();
-  } else if (s.kind == kNVFP4 || (s.kind == kFp8Scaled && s.br == 0)) {
+  } else if (s.kind == kNVFP4 || (s.kind == kFp8Scaled && s.br == 0) || s.kind == kFp8ScaledT) {
     TORCH_CHECK(amax.has_value() && amax->scalar_type() == at::kFloat && amax->is_cuda(),
                 "dtq kernels: this slot needs an fp32 CUDA amax");
     s.amax_in = amax->data_ptr<float>();
@@ -580,6 +583,31 @@ bool quantize_fused(const at::Tensor& x, const std::vector<int64_t>& cfg_a, cons
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t M = x.size(0), K = x.size(1);
   SlotCfg a = make_cfg(cfg_a, outs_a, amax_a, seed, M, K), b = make_cfg(cfg_b, outs_b, amax_b, seed, M, K);
+  TORCH_CHECK(a.kind != kFp8ScaledT, "dtq kernels: transposed FP8 codes go in the second slot");
+  if (b.kind == kFp8ScaledT) {
+    TORCH_CHECK(a.kind == kFp8Scaled && a.br == 0 && a.e5m2 == b.e5m2 && a.pow2 == b.pow2 && a.amax_in == b.amax_in,
+                "dtq kernels: transposed FP8 codes pair with the same per-tensor FP8 slot (dtype, pow2, amax)");
+    TORCH_CHECK(outs_b[0].size(0) == K && outs_b[0].size(1) == M, "dtq kernels: transposed FP8 codes are [K, M]");
+    // The specialised kernel writes both layouts from one read; elsewhere slot a's codes are
+    // quantized alone and then transposed (the same bytes).
+    if (K % 16 == 0 && M % 16 == 0 && aligned16(x.data_ptr()) && aligned16(a.data) && aligned16(b.data) &&
+        fast_enabled()) {
+      bool done = false;
+      switch (x.scalar_type()) {
+        case at::kFloat: done = fast::launch<float>(x, a, b); break;
+        case at::kBFloat16: done = fast::launch<__nv_bfloat16>(x, a, b); break;
+        case at::kHalf: done = fast::launch<__half>(x, a, b); break;
+        default: break;
+      }
+      if (done) return true;
+    }
+    const bool ok = quantize_fused(x, cfg_a, outs_a, amax_a, std::vector<int64_t>(cfg_b.size(), 0), {}, c10::nullopt, seed);
+    TORCH_CHECK(ok, "dtq kernels: per-tensor FP8 quantize launched nothing");
+    const at::Tensor codes = outs_a[0].view(at::kByte), out = outs_b[0].view(at::kByte);
+    if (M % 16 == 0 && K % 16 == 0 && aligned16(codes.data_ptr()) && aligned16(out.data_ptr())) transpose_u8(codes, out);
+    else out.copy_(codes.t());
+    return true;
+  }
   bool vec_ok = K % 16 == 0 && aligned16(x.data_ptr());
   for (const SlotCfg* s : {&a, &b}) {
     if (s->kind != kNone) vec_ok = vec_ok && aligned16(s->data);

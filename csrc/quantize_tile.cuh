@@ -45,7 +45,8 @@ struct Slot {
   static constexpr bool opt = OPT;
   static constexpr bool none = KIND == kNone;
   static constexpr bool ident = KIND == kIdentity;
-  static constexpr bool tensor = KIND == kFp8Scaled && BR == 0;
+  static constexpr bool tensor = (KIND == kFp8Scaled || KIND == kFp8ScaledT) && BR == 0;
+  static constexpr bool transposed = KIND == kFp8ScaledT;  // codes stored [K, M]; slot a stores the scale
   static constexpr bool axis = KIND == kFp8Row;           // (1, 0): per row; (0, 1): per column
   static constexpr bool row = BR == 1 && !axis;           // 1 x BC blocks
   static constexpr bool col = BR > 1 && BC == 1 && !HAD;  // BR x 1 blocks
@@ -61,6 +62,7 @@ struct Slot {
 
 using None = Slot<kNone, 0, 0>;
 using Fp8T = Slot<kFp8Scaled, 0, 0>;
+using Fp8TT = Slot<kFp8ScaledT, 0, 0>;
 using Fp8R = Slot<kFp8Scaled, 1, 128>;
 using Fp8C = Slot<kFp8Scaled, 128, 1>;
 using Fp8B = Slot<kFp8Scaled, 128, 128>;
@@ -80,7 +82,7 @@ using NvHo = Slot<kNVFP4, 16, 1, true, true>;
 
 // (rowwise-or-only slot, second slot): the pairs dtq's formats and hybrids produce.
 #define DTQ_FAST_PAIRS(X)                                                                               \
-  X(Fp8T, None) X(Fp8R, None) X(Fp8C, None) X(Fp8B, None) X(MxR, None) X(MxC, None) X(NvR, None)       \
+  X(Fp8T, None) X(Fp8T, Fp8TT) X(Fp8R, None) X(Fp8C, None) X(Fp8B, None) X(MxR, None) X(MxC, None) X(NvR, None)       \
   X(NvC, None) X(NvB, None) X(NvH, None) X(Id, None)                                                    \
   X(Fp8R, Fp8C) X(MxR, MxC) X(NvR, NvC) X(NvR, NvH)                                                     \
   X(MxR, NvH) X(Fp8R, Fp8B) X(MxR, NvB) X(Fp8T, MxC) X(Fp8R, NvB) X(Id, NvC) X(NvR, Id) X(Fp8B, Id)     \
@@ -202,20 +204,25 @@ __device__ __forceinline__ uint32_t identity_bits(float v, int od) {
   return is_nan(v) ? 0x7E00u : uint32_t(__half_as_ushort(__float2half_rn(v)));
 }
 
+// The FP8 codes of row i of the thread's sub-tile (8 columns, the first in the low byte).
+template <typename T, typename MultFn>
+__device__ __forceinline__ uint2 fp8_codes8(const Regs<T>& d, int i, MultFn mult, bool e5) {
+  uint32_t w[2];
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const uint32_t a = cvt2(__fmul_rn(d.f(i, 4 * q), mult(4 * q)), __fmul_rn(d.f(i, 4 * q + 1), mult(4 * q + 1)), e5);
+    const uint32_t b = cvt2(__fmul_rn(d.f(i, 4 * q + 2), mult(4 * q + 2)), __fmul_rn(d.f(i, 4 * q + 3), mult(4 * q + 3)), e5);
+    w[q] = fp8_fix_nan(a | (b << 16), e5);
+  }
+  return make_uint2(w[0], w[1]);
+}
+
 // One slot's codes for row i of the thread's sub-tile (8 columns at element offset off).
 template <class S, typename T, typename MultFn>
 __device__ __forceinline__ void store_row(const SlotCfg& s, const Regs<T>& d, int i, MultFn mult, int64_t off,
                                           uint32_t key) {
   if constexpr (S::kind == kFp8Scaled || S::kind == kMXFP8 || S::kind == kFp8Row) {
-    const bool e5 = s.e5m2;
-    uint32_t w[2];
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const uint32_t a = cvt2(__fmul_rn(d.f(i, 4 * q), mult(4 * q)), __fmul_rn(d.f(i, 4 * q + 1), mult(4 * q + 1)), e5);
-      const uint32_t b = cvt2(__fmul_rn(d.f(i, 4 * q + 2), mult(4 * q + 2)), __fmul_rn(d.f(i, 4 * q + 3), mult(4 * q + 3)), e5);
-      w[q] = fp8_fix_nan(a | (b << 16), e5);
-    }
-    *reinterpret_cast<uint2*>(reinterpret_cast<uint8_t*>(s.data) + off) = make_uint2(w[0], w[1]);
+    *reinterpret_cast<uint2*>(reinterpret_cast<uint8_t*>(s.data) + off) = fp8_codes8(d, i, mult, s.e5m2);
   } else if constexpr (S::kind == kNVFP4) {
     uint32_t w = 0;
     const bool sr = s.sr;
@@ -283,7 +290,7 @@ __device__ __forceinline__ SlotConst slot_const(const SlotCfg& s) {
     if (s.sr) c.key = rng_key(s.seed, s.stream);
   } else if constexpr (S::tensor) {
     c.tmult = scale_from_amax(*s.amax_in, s.fmax, s.pow2);
-    if (blockIdx.x == 0 && threadIdx.x == 0) *s.tensor_out = __frcp_rn(c.tmult);
+    if (!S::transposed && blockIdx.x == 0 && threadIdx.x == 0) *s.tensor_out = __frcp_rn(c.tmult);
   }
   return c;
 }
@@ -568,6 +575,54 @@ __device__ __forceinline__ void do_slot(const SlotCfg& s, const SlotConst& c, co
   }
 }
 
+// Slot a's per-tensor FP8 codes, then the same bytes into slot b's [K, M] layout (kFp8ScaledT,
+// which the host allows only beside an identical slot a), through a 16 KB shared tile so that both
+// the shared and the global stores are whole vectors. The thread's 8 x 8 code block is transposed
+// in registers (4 x 4 byte blocks, __byte_perm); column j (its 8 rows) is 8 bytes of shared row
+// cv * 8 + j, whose 16-byte chunk w (the warp's 16 rows) is XOR-swizzled by cv % 8; then 8 lanes
+// write each 128-byte output row segment. The caller guarantees M % 16 == 0 (a 16-row chunk is
+// wholly in or out of the tensor). Every thread reaches the barrier.
+template <typename T>
+__device__ __forceinline__ void store_both_layouts(const SlotCfg& sa, const SlotConst& ka, const SlotCfg& sb,
+                                                   const Regs<T>& d, uint8_t* tsm, int64_t M, int64_t K, int64_t row0,
+                                                   int64_t col, int tm, int tk, int w, int h, int cv) {
+  uint32_t lo[8], hi[8];  // row i's codes of columns 0-3 / 4-7
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint2 c = fp8_codes8(d, i, [&](int) { return ka.tmult; }, sa.e5m2);
+    lo[i] = c.x;
+    hi[i] = c.y;
+    if (row0 + i < M && col < K) *reinterpret_cast<uint2*>(reinterpret_cast<uint8_t*>(sa.data) + (row0 + i) * K + col) = c;
+  }
+  uint32_t cw[8][2];  // column j's codes of rows 0-3 / 4-7
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int rb = 0; rb < 2; ++rb) {
+      const uint32_t* r = half ? hi + 4 * rb : lo + 4 * rb;
+      const uint32_t t0 = __byte_perm(r[0], r[1], 0x5140), t1 = __byte_perm(r[2], r[3], 0x5140);
+      const uint32_t t2 = __byte_perm(r[0], r[1], 0x7362), t3 = __byte_perm(r[2], r[3], 0x7362);
+      cw[4 * half + 0][rb] = __byte_perm(t0, t1, 0x5410);
+      cw[4 * half + 1][rb] = __byte_perm(t0, t1, 0x7632);
+      cw[4 * half + 2][rb] = __byte_perm(t2, t3, 0x5410);
+      cw[4 * half + 3][rb] = __byte_perm(t2, t3, 0x7632);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    *reinterpret_cast<uint2*>(tsm + (cv * 8 + j) * kTile + ((w ^ (cv & 7)) * 16) + h * 8) = make_uint2(cw[j][0], cw[j][1]);
+  __syncthreads();
+  const int64_t r0 = int64_t(tm) * kTile, c0 = int64_t(tk) * kTile;
+#pragma unroll
+  for (int p = 0; p < kTile * kTile / 16 / kThreads; ++p) {
+    const int idx = p * kThreads + threadIdx.x, oc = idx >> 3, q = idx & 7;
+    const int64_t orow = c0 + oc, ocol = r0 + 16 * q;
+    if (orow < K && ocol < M)
+      *reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(sb.data) + orow * M + ocol) =
+          *reinterpret_cast<const uint4*>(tsm + oc * kTile + ((q ^ ((oc >> 3) & 7)) * 16));
+  }
+}
+
 template <typename T>
 constexpr int min_blocks() { return sizeof(T) == 4 ? 2 : 3; }
 
@@ -578,6 +633,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<T>())
   constexpr bool need_col = A::colmax || B::colmax;
   constexpr bool need_red = A::tall || B::tall;
   __shared__ uint4 red[need_red ? 8 : 1][32];  // per-warp 16-row column maxima
+  __shared__ __align__(16) uint8_t tsm[B::transposed ? kTile * kTile : 16];  // transposed codes
 
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const int cv = lane & 15, h = lane >> 4;
@@ -623,8 +679,13 @@ __global__ void __launch_bounds__(kThreads, min_blocks<T>())
     }
     __syncthreads();
   }
-  do_slot<A, T>(sa, ka, d, ra, ca, red, M, K, row0, col, w, h, cv);
-  do_slot<B, T>(sb, kb, d, ra, ca, red, M, K, row0, col, w, h, cv);
+  if constexpr (B::transposed) {
+    static_assert(A::tensor && !A::transposed, "transposed FP8 codes pair with a per-tensor FP8 slot");
+    store_both_layouts<T>(sa, ka, sb, d, tsm, M, K, row0, col, tm, tk, w, h, cv);
+  } else {
+    do_slot<A, T>(sa, ka, d, ra, ca, red, M, K, row0, col, w, h, cv);
+    do_slot<B, T>(sb, kb, d, ra, ca, red, M, K, row0, col, w, h, cv);
+  }
 }
 
 template <typename T, class A, class B>

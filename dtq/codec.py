@@ -242,6 +242,14 @@ class Codec:
         input, or None: no kernel for it, the reference runs (on any device)."""
         return None
 
+    def transposed_codes_spec(self, shape: tuple[int, int], dtype: torch.dtype) -> KernelSpec | None:
+        """How the fused kernel writes this direction's codes of a [M, K] ``dtype`` input a second
+        time, transposed (a ``data_t`` [K, M] field beside the payload, the same codes), while it
+        writes the other direction's payload: the layout Hopper's FP8 GEMMs read in dgrad and wgrad,
+        which would otherwise take a transpose kernel per operand. None: the format has no such
+        field (only identical-direction formats can: the codes are the other direction's)."""
+        return None
+
 
 _REGISTRY: dict[type, type[Codec]] = {}
 _BY_NAME: dict[str, type] = {}
@@ -433,6 +441,7 @@ class QuantizePlan:
         "reference",
         "torch_amax",
         "derived",
+        "transposed",
     )
 
     def __init__(
@@ -442,9 +451,10 @@ class QuantizePlan:
         shape: tuple[int, int],
         dtype: torch.dtype,
         device: torch.device,
+        transposed: bool = False,
     ):
         self.q, self.directions = q, directions
-        self.derived = None
+        self.derived, self.transposed = None, False
         if COLUMNWISE in directions and q.columnwise_from_rowwise():
             self._plan_derived(directions, shape, dtype, device)
             return
@@ -463,8 +473,14 @@ class QuantizePlan:
 
             if dtype in kernels.INPUT_DTYPES and kernels.available(device):
                 specs = {d: s for d in self.own if (s := codecs[d].kernel_spec(shape, dtype)) is not None}
+                if transposed and self.twins.get(COLUMNWISE) == ROWWISE and tuple(specs) == (ROWWISE,):
+                    t = self.codecs[COLUMNWISE].transposed_codes_spec(shape, dtype)
+                    if t is not None:  # the columnwise codes also written [K, M], from the same launch
+                        specs[COLUMNWISE], self.transposed = t, True
                 if specs:
-                    tensor_amax = tuple(d for d in specs if self.needs_amax[d] and not specs[d].amax_vector)
+                    tensor_amax = tuple(
+                        d for d in specs if self.needs_amax.get(d, self.transposed) and not specs[d].amax_vector
+                    )
                     self.launch = kernels.QuantizeLaunch(specs, tensor_amax)
                     self.reference = tuple(d for d in self.own if d not in specs)
                     # per-column amaxes of T x: no kernel pass computes them; the reference's ops do
@@ -499,6 +515,15 @@ class QuantizePlan:
         col = cols(y.contiguous(), {COLUMNWISE: given[COLUMNWISE]} if COLUMNWISE in given else {}, seed)
         return {ROWWISE: row, COLUMNWISE: col[COLUMNWISE]} if keep_rows else col
 
+    def _call_transposed(self, xc: torch.Tensor, given: dict[str, torch.Tensor]) -> dict[str, Payload]:
+        """Both directions of an identical-direction format from one launch that also writes the
+        codes transposed: the columnwise payload is the rowwise one plus ``data_t``. Both kernel
+        slots read one amax (the rowwise one if given, else the launch's own pass)."""
+        a = given.get(ROWWISE)
+        out = self.launch(xc, {ROWWISE: a, COLUMNWISE: a} if a is not None else _NO_AMAX, None)
+        row = out[ROWWISE]
+        return {ROWWISE: row, COLUMNWISE: {**row, **out[COLUMNWISE]}}
+
     def __call__(self, xc: torch.Tensor, given: dict[str, torch.Tensor], seed) -> dict[str, Payload]:
         """Payloads of the contiguous [M, K] ``xc``; ``given``: amaxes of own directions (checked
         shapes, fp32 on xc's device), ``seed``: a tensor when ``uses_rng``."""
@@ -509,6 +534,8 @@ class QuantizePlan:
             for d in self.torch_amax:
                 if d not in given:
                     given = {**given, d: self.codecs[d].local_amax(xc)}
+            if self.transposed:
+                return self._call_transposed(xc, given)
             out = self.launch(xc, given, seed)
             if out is None:  # the generic kernel lacks an option of this quantizer: nothing launched
                 _warn_reference(self.q)
@@ -571,18 +598,26 @@ _plans: dict = {}
 
 
 def quantize_plan(
-    q: Quantizer, directions: tuple[str, ...], shape: tuple[int, int], dtype: torch.dtype, device: torch.device
+    q: Quantizer,
+    directions: tuple[str, ...],
+    shape: tuple[int, int],
+    dtype: torch.dtype,
+    device: torch.device,
+    transposed: bool = False,
 ) -> QuantizePlan:
-    """The (cached) plan of quantizing a [M, K] ``dtype`` tensor on ``device`` into ``directions``."""
+    """The (cached) plan of quantizing a [M, K] ``dtype`` tensor on ``device`` into ``directions``;
+    ``transposed``: the columnwise payload also carries its codes transposed (``data_t``) where
+    the format and the kernels can write them in the same launch (see
+    :meth:`Codec.transposed_codes_spec`; ``plan.transposed`` says whether they will)."""
     if device.type == "cuda":  # whether the kernels run depends on DTQ_DISABLE_KERNELS (tests flip it)
         from dtq import kernels
 
-        key = (q, directions, shape, dtype, device, kernels.disabled_token())
+        key = (q, directions, shape, dtype, device, kernels.disabled_token(), transposed)
     else:
-        key = (q, directions, shape, dtype, device)
+        key = (q, directions, shape, dtype, device, transposed)
     plan = _plans.get(key)
     if plan is None:
-        plan = QuantizePlan(q, directions, shape, dtype, device)
+        plan = QuantizePlan(q, directions, shape, dtype, device, transposed)
         if len(_plans) > 4096:
             _plans.clear()
         _plans[key] = plan

@@ -173,7 +173,7 @@ class Operand:
     def key(self) -> tuple:
         """What a path's ``supports`` reads of this operand: format, quantizer, direction, transpose,
         logical shape, dtypes and device (never values)."""
-        data = self.payload["data"].dtype if self.quantized else None
+        data = _codes_dtype(self.payload) if self.quantized else None
         return (self.quantizer, self.direction, self.transpose, self.shape2d, self.tensor.dtype, data, self.device)
 
     def exact_dtype(self, rotated: bool = False) -> torch.dtype:
@@ -193,6 +193,11 @@ class Operand:
         if self.transpose:
             return vals.t(), (factor.t() if factor is not None and factor.dim() == 2 else factor)
         return vals, factor
+
+
+def _codes_dtype(payload: dict) -> torch.dtype:
+    """The dtype of a payload's codes (a GEMM's columnwise operand may carry them as ``data_t`` only)."""
+    return (payload["data"] if "data" in payload else payload["data_t"]).dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,15 +287,22 @@ def _fp8_tensorwise_ok(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
     return m % 16 == 0 and k % 16 == 0 and n % 16 == 0 and out_dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _row_major(data: torch.Tensor, transpose: bool) -> torch.Tensor:
-    """op(X)'s codes row-major, from the stored [M, K] codes ``data``. cuBLASLt FP8 wants A row-major
-    and B column-major ("TN"): the codes are transposed here where the layout does not fit (else views)."""
-    return kernels.transposed(data) if transpose else data.contiguous()
+def _codes_t(payload: dict) -> torch.Tensor:
+    """The payload's codes as [K, M]: its ``data_t`` where the quantize kernel wrote them so,
+    else a transpose of the stored [M, K] ``data``."""
+    t = payload.get("data_t")
+    return kernels.transposed(payload["data"]) if t is None else t
 
 
-def _col_major(data: torch.Tensor, transpose: bool) -> torch.Tensor:
+def _row_major(payload: dict, transpose: bool) -> torch.Tensor:
+    """op(X)'s codes row-major, from the payload's [M, K] codes. cuBLASLt FP8 wants A row-major and
+    B column-major ("TN"): the codes are transposed where the layout does not fit (else views)."""
+    return _codes_t(payload) if transpose else payload["data"].contiguous()
+
+
+def _col_major(payload: dict, transpose: bool) -> torch.Tensor:
     """op(X)'s codes column-major (see _row_major)."""
-    return data.contiguous().t() if transpose else kernels.transposed(data).t()
+    return payload["data"].contiguous().t() if transpose else _codes_t(payload).t()
 
 
 def _scalar_fp32(s: torch.Tensor) -> torch.Tensor:
@@ -300,8 +312,8 @@ def _scalar_fp32(s: torch.Tensor) -> torch.Tensor:
 
 def _fp8_tensorwise_payloads(pa: dict, pb: dict, ta: bool, tb: bool, out_dtype: torch.dtype) -> torch.Tensor:
     return torch._scaled_mm(
-        _row_major(pa["data"], ta),
-        _col_major(pb["data"], tb),
+        _row_major(pa, ta),
+        _col_major(pb, tb),
         scale_a=_scalar_fp32(pa["scale_inv"]),
         scale_b=_scalar_fp32(pb["scale_inv"]),
         out_dtype=out_dtype,
@@ -369,8 +381,8 @@ def _fp8_rowwise(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor
     sa = a.payload["scale_inv"].float().reshape(-1, 1).expand(m, 1).contiguous()
     sb = b.payload["scale_inv"].float().reshape(1, -1).expand(1, n).contiguous()
     return torch._scaled_mm(
-        _row_major(a.payload["data"], a.transpose),
-        _col_major(b.payload["data"], b.transpose),
+        _row_major(a.payload, a.transpose),
+        _col_major(b.payload, b.transpose),
         scale_a=sa,
         scale_b=sb,
         out_dtype=out_dtype,
@@ -428,7 +440,7 @@ def _fp8_blockwise(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tens
     # 1x128 scales [m, k/128] column-major; B column-major with 1x128 scales [n, k/128]
     # column-major, or 128x128 scales [k/128 padded to a multiple of 4, n/128] column-major.
     F = torch.nn.functional
-    da, db = _row_major(a.payload["data"], a.transpose), _col_major(b.payload["data"], b.transpose)
+    da, db = _row_major(a.payload, a.transpose), _col_major(b.payload, b.transpose)
     sa = _colmajor(_scales_by_contraction(a, False).float())
     sb = _scales_by_contraction(b, True).float()
     if _block_kind(b, True) == "128x128":
@@ -483,6 +495,20 @@ def mm(a: Operand, b: Operand, out_dtype: torch.dtype = torch.float32) -> torch.
     if _recorders:
         _record(path.name)
     return path.run(a, b, out_dtype)
+
+
+# Paths that take op(A) / op(B) through _row_major / _col_major: they read a transposed operand's
+# codes from its ``data_t`` field where it has one, and then never its ``data``.
+_TRANSPOSED_CODES_PATHS = frozenset({"fp8_tensorwise_scaled_mm", "fp8_rowwise_scaled_mm"})
+
+
+def transposed_reads(a: Operand, b: Operand, out_dtype: torch.dtype) -> tuple[bool, bool]:
+    """Whether the path this pairing selects reads A's / B's codes as [K, M] (what a ``data_t``
+    field holds, see ``Codec.transposed_codes_spec``): A when transposed, B when not (cuBLASLt's
+    FP8 "TN" layout); False for paths that read values another way."""
+    if select(a, b, out_dtype).name not in _TRANSPOSED_CODES_PATHS:
+        return False, False
+    return a.transpose, not b.transpose
 
 
 def bind(a: Operand, b: Operand, out_dtype: torch.dtype) -> Callable[[dict, dict], torch.Tensor]:

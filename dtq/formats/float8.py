@@ -4,7 +4,10 @@
 rounded down to a power of two; ``q = sat(x * scale)``; the payload keeps ``scale_inv = 1 / scale``.
 Both directions hold the same codes (one scale), so either is derived exactly from the other.
 
-Payload per direction: ``data`` [M, K] float8, ``scale_inv`` fp32 0-dim.
+Payload per direction: ``data`` [M, K] float8, ``scale_inv`` fp32 0-dim. A GEMM's own
+columnwise operand may also carry ``data_t``, the same codes [K, M] (written by the quantize
+kernel beside the rowwise codes: the layout Hopper's FP8 GEMMs read in dgrad and wgrad); it is
+never stored, gathered or checkpointed.
 """
 
 from __future__ import annotations
@@ -50,6 +53,16 @@ class Float8Codec(Codec):
             kernels.FP8_SCALED,
             (0, 0),
             (("data", shape, q.dtype), ("scale_inv", (), torch.float32)),
+            e5m2=q.dtype == torch.float8_e5m2,
+            pow2=q.pow2_scales,
+        )
+
+    def transposed_codes_spec(self, shape: tuple[int, int], dtype: torch.dtype) -> kernels.KernelSpec:
+        q = self.q
+        return kernels.KernelSpec(
+            kernels.FP8_SCALED_T,
+            (0, 0),
+            (("data_t", (shape[1], shape[0]), q.dtype),),
             e5m2=q.dtype == torch.float8_e5m2,
             pow2=q.pow2_scales,
         )

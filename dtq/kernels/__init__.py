@@ -28,7 +28,8 @@ import torch
 
 # Slot kinds of the fused kernel (csrc/common.cuh SlotKind). FP8_ROW: one FP8 scale per whole row
 # (block (1, 0)) or whole column ((0, 1)), from an amax vector computed before the launch.
-NONE, FP8_SCALED, MXFP8, NVFP4, IDENTITY, FP8_ROW = 0, 1, 2, 3, 4, 5
+# FP8_SCALED_T: per-tensor FP8 codes written transposed ([K, M]), beside the same FP8_SCALED slot.
+NONE, FP8_SCALED, MXFP8, NVFP4, IDENTITY, FP8_ROW, FP8_SCALED_T = 0, 1, 2, 3, 4, 5, 6
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 E4M3_MAX_CODE = 0x7E  # the E4M3 byte of 448
 _CONFIG_LEN = 14  # ints per slot config (csrc/quantize.cu make_cfg)

@@ -30,7 +30,7 @@ from dtq.codec import (
     wanted_directions,
 )
 from dtq.formats import COLUMNWISE, ROWWISE
-from dtq.gemm import Operand, bind
+from dtq.gemm import Operand, bind, transposed_reads
 from dtq.nn._linear_fn import check_weight_columnwise
 from dtq.tensor import QuantizedTensor
 
@@ -72,18 +72,38 @@ class LinearPlan:
         self.g2d = (self.x2d[0], self.w2d[0])
         self.out_shape = (*x.shape[:-1], wl.shape[0])
         dev = x.device
-        self.qx = quantize_plan(slots.sx.quantizer, wanted_directions(True, call.need_wgrad), self.x2d, x.dtype, dev)
         self.quantized_weight = isinstance(wl, QuantizedTensor)
-        if self.quantized_weight:
-            self.qw, self.w_quantizer = None, wl.quantizer
-        else:
-            self.w_quantizer = slots.sw.quantizer
-            self.qw = quantize_plan(self.w_quantizer, wanted_directions(True, call.need_dgrad), self.w2d, wl.dtype, dev)
+        self.w_quantizer = wl.quantizer if self.quantized_weight else slots.sw.quantizer
+        tx, tw, tg = self._transposed_columnwise(x, wl)
+        self.qx = quantize_plan(
+            slots.sx.quantizer, wanted_directions(True, call.need_wgrad), self.x2d, x.dtype, dev, transposed=tx
+        )
+        self.qw = None
+        if not self.quantized_weight:
+            dirs = wanted_directions(True, call.need_dgrad)
+            self.qw = quantize_plan(self.w_quantizer, dirs, self.w2d, wl.dtype, dev, transposed=tw)
         need_g = call.need_dgrad or call.need_wgrad
         g_dirs = wanted_directions(call.need_dgrad, call.need_wgrad) if need_g else ()
-        self.qg = quantize_plan(slots.sg.quantizer, g_dirs, self.g2d, x.dtype, dev) if g_dirs else None
+        self.qg = quantize_plan(slots.sg.quantizer, g_dirs, self.g2d, x.dtype, dev, transposed=tg) if g_dirs else None
         self.x_fields = self.w_fields = ()
         self.fprop = self.dgrad = self.wgrad = None
+
+    def _transposed_columnwise(self, x: torch.Tensor, wl: torch.Tensor) -> tuple[bool, bool, bool]:
+        """Whether x's, the weight's and dy's columnwise codes should also be written transposed by
+        their quantize launch: where the GEMM path that will read them (wgrad, dgrad) takes them
+        [K, M] (Hopper's FP8 GEMMs), which then spares a transpose kernel per operand per call."""
+        call, dev = self.call, x.device
+        tx = tw = tg = False
+        if dev.type != "cuda":
+            return tx, tw, tg
+        sx, sg = call.slots.sx.quantizer, call.slots.sg.quantizer
+        if call.need_wgrad:
+            dy_t = _meta_operand(sg, COLUMNWISE, self.g2d, x.dtype, dev, transpose=True)
+            tg, tx = transposed_reads(dy_t, _meta_operand(sx, COLUMNWISE, self.x2d, x.dtype, dev), wl.dtype)
+        if call.need_dgrad and not self.quantized_weight:
+            dy = _meta_operand(sg, ROWWISE, self.g2d, x.dtype, dev)
+            _, tw = transposed_reads(dy, _meta_operand(self.w_quantizer, COLUMNWISE, self.w2d, wl.dtype, dev), x.dtype)
+        return tx, tw, tg
 
     def forward(self, x: torch.Tensor, wl: torch.Tensor, bias: torch.Tensor | None, x_amax: torch.Tensor | None):
         """``(y, tensors to save)`` as ``linear_forward`` computes them (``x_amax``: max|x|, if its
@@ -108,9 +128,9 @@ class LinearPlan:
     def _bind_forward(self, px: dict, pw: dict, x: torch.Tensor, wl: torch.Tensor, bias) -> None:
         call = self.call
         if call.need_wgrad:
-            self.x_fields = tuple(sorted(px[COLUMNWISE]))
+            self.x_fields = _saved_fields(px[COLUMNWISE])
         if call.need_dgrad and not self.quantized_weight:
-            self.w_fields = tuple(sorted(pw[COLUMNWISE]))
+            self.w_fields = _saved_fields(pw[COLUMNWISE])
         self.fprop = bind(
             _operand(self.qx.q, px, ROWWISE, self.x2d, x.dtype, x.device),
             _operand(self.w_quantizer, pw, ROWWISE, self.w2d, wl.dtype, x.device, transpose=True),
@@ -156,6 +176,20 @@ class LinearPlan:
 def _operand(q, payloads: dict, direction: str, shape2d, dtype, device, transpose: bool = False) -> Operand:
     """An operand of a call, to choose and bind a GEMM path with (as the general path builds it)."""
     return Operand(QuantizedData(shape2d, dtype, q, payloads, shape2d, device), direction, transpose)
+
+
+def _meta_operand(q, direction: str, shape2d, dtype, device, transpose: bool = False) -> Operand:
+    """An operand like the call's own (format, direction, shape, dtypes, device) with meta payloads:
+    enough for :func:`dtq.gemm.transposed_reads` to choose its path before any value exists."""
+    payload = q.codec(direction).empty(shape2d, torch.device("meta"), dtype)
+    return _operand(q, {direction: payload}, direction, shape2d, dtype, device, transpose)
+
+
+def _saved_fields(payload: dict) -> tuple[str, ...]:
+    """The columnwise fields backward keeps: with transposed codes (``data_t``), not the [M, K]
+    ``data`` too (the GEMM reads only the former; saving both would double the codes' memory)."""
+    names = sorted(payload)
+    return tuple(n for n in names if n != "data") if "data_t" in payload else tuple(names)
 
 
 def _run(plan: QuantizePlan, x: torch.Tensor, slot=None, known: torch.Tensor | None = None) -> dict:

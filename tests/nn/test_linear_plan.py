@@ -8,6 +8,7 @@ import torch
 
 import dtq
 import dtq.nn.module as nn_module
+from dtq import kernels
 from dtq.presets import recipe_from_name
 
 PLANNED = [
@@ -87,6 +88,32 @@ def test_planned_calls_with_quantized_weights(name, device, monkeypatch):
     got = _run(module, x, recipe, True, monkeypatch)
     assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(got, want)), name
     assert layer._slots(recipe, 0).plans
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not kernels.available("cuda"), reason="Hopper's FP8 GEMMs and the kernels"
+)
+@pytest.mark.parametrize("quantized", [False, True])
+def test_planned_fp8_takes_transposed_codes_from_the_quantize_launch(quantized, monkeypatch):
+    """dgrad and wgrad read FP8 codes [K, M] on Hopper: the plan has the quantize kernel write x's,
+    dy's and a high-precision weight's that way beside the rowwise codes, so no transpose kernel
+    runs (a stored quantized weight's columnwise codes still take one), and backward keeps x's
+    [K, M] codes only. The bits are the general path's (the tests above)."""
+    recipe = recipe_from_name("fp8")
+    module, layer = _module(False, quantized, recipe, "cuda")
+    x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    calls, saved, real = [], [], kernels.transposed
+    monkeypatch.setattr(kernels, "transposed", lambda t: calls.append(tuple(t.shape)) or real(t))
+    keep = lambda t: saved.append((tuple(t.shape), t.dtype)) or t  # noqa: E731
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), dtq.autocast(recipe):
+        y = module(x)
+    y.float().pow(2).sum().backward()
+    assert layer._slots(recipe, 0).plans
+    assert calls == ([(128, 64)] if quantized else [])  # the stored weight's columnwise codes, [N, K]
+    codes = [shape for shape, dtype in saved if dtype == torch.float8_e4m3fn]
+    assert (64, 32) in codes and (32, 64) not in codes, codes
+    if not quantized:
+        assert (64, 128) in codes and (128, 64) not in codes, codes
 
 
 @pytest.mark.parametrize("name", GENERAL)
