@@ -297,7 +297,10 @@ class QuantizedModule(torch.nn.Module):
                 call = GemmCall(slots, need_dgrad, need_wgrad, replay, sync, link)
             else:
                 call = slots.call(need_dgrad, need_wgrad)
-            if not replay and sync is None and slots.plannable and (plan := plan_for(call, x, weight)) is not None:
+            # A recompute runs planned too: its saved tensors must match the forward's (a plan may keep
+            # other fields than the general path, e.g. FP8 codes [K, M]); plannable slots compute
+            # the same either way (no amax history to replay).
+            if sync is None and slots.plannable and (plan := plan_for(call, x, weight)) is not None:
                 return PlannedLinearFn.apply(x, weight, bias, plan, x_amax, link)
             return LinearFn.apply(x, weight, bias, x_amax, call)
         group = layout.mesh.get_group()

@@ -116,6 +116,27 @@ def test_planned_fp8_takes_transposed_codes_from_the_quantize_launch(quantized, 
         assert (64, 128) in codes and (128, 64) not in codes, codes
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_recompute_runs_the_plan_its_forward_ran(reentrant, device, monkeypatch):
+    """torch.utils.checkpoint's recompute must save what the forward saved (the non-reentrant one
+    checks count, shapes and dtypes): a planned forward is recomputed planned, since a plan may keep
+    other fields than the general path (FP8's [K, M] codes on a GPU). Bits: test_recompute_matrix."""
+    from torch.utils.checkpoint import checkpoint
+
+    from dtq._torch_private import in_backward
+
+    recipe = recipe_from_name("fp8")
+    module, _ = _module(False, False, recipe, device)
+    seen, real = [], nn_module.plan_for
+    monkeypatch.setattr(nn_module, "plan_for", lambda *a: seen.append(in_backward()) or real(*a))
+    x = torch.randn(32, 64, dtype=torch.bfloat16, device=device, requires_grad=True)
+    with dtq.autocast(recipe):
+        y = checkpoint(module, x, use_reentrant=reentrant)
+    y.float().pow(2).sum().backward()
+    assert seen == [False, True], seen  # the forward, then its recompute in backward
+
+
 @pytest.mark.parametrize("name", GENERAL)
 def test_recipes_the_plan_cannot_take_run_the_general_path(name, monkeypatch):
     recipe = recipe_from_name(name)
