@@ -22,6 +22,9 @@
 7. Dequantize to bf16 as the emulated GEMMs read their operands (per-tensor factor split off) of
    MXFP8, NVFP4 and FP8 1x128 payloads, each direction, in a CUDA graph: payload bytes read plus
    the bf16 written, over time.
+8. FP8 per-tensor, both directions, with the columnwise codes written transposed by the same launch
+   (``quantize_plan(..., transposed=True)``, what planned GEMM calls use), against the plain launch
+   followed by ``kernels.transposed`` (``reference us``), amax pass included, in a CUDA graph.
 Prints a table and writes JSON (device, torch, copy ceiling, every row) to ``--out``.
 """
 
@@ -41,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import dtq  # noqa: E402
 from dtq import kernels  # noqa: E402
+from dtq.codec import COLUMNWISE, DIRECTIONS, quantize_plan  # noqa: E402
 
 H = dtq.HybridQuantizer
 CONFIGS = [
@@ -212,6 +216,26 @@ def bench_transpose(x, iters: int) -> dict:
     }
 
 
+def bench_transposed_codes(x, iters: int) -> dict:
+    q, dev, shape = dtq.Float8Quantizer(), x.device, tuple(x.shape)
+    plain = quantize_plan(q, DIRECTIONS, shape, x.dtype, dev)
+    fused = quantize_plan(q, DIRECTIONS, shape, x.dtype, dev, transposed=True)
+    ms = _graph_ms(lambda: fused(x, {}, None), iters)
+    ref = _graph_ms(lambda: kernels.transposed(plain(x, {}, None)[COLUMNWISE]["data"]), iters)
+    n = x.numel()
+    return {
+        "format": "fp8 + transposed codes",
+        "dirs": "rc",
+        "ms": ms,
+        "in_bytes": x.element_size() * n,
+        "out_bytes": 2 * n,
+        "amax_pass": True,
+        "gbps": (x.element_size() + 2) * n / ms / 1e6,
+        "ideal_fraction": (x.element_size() + 2) / (2 * x.element_size() + 2),
+        "torch_ms": ref,
+    }
+
+
 def bench_elementwise(x, iters: int) -> list[dict]:
     """SwiGLU forward/backward of x as [T, 2F] and the scale_cast epilogue of an fp32 tensor of
     x's element count, each against the eager torch ops it replaces."""
@@ -363,6 +387,10 @@ def main() -> int:
                 torch.cuda.empty_cache()
         if not args.only or "transpose" in args.only:
             r = bench_transpose(x, args.iters)
+            r.update(size_mib=size, shape=[m, K], fraction=r["gbps"] / ceiling, reference_ms=r["torch_ms"])
+            rows.append(r)
+        if not args.only or "transposed" in args.only:
+            r = bench_transposed_codes(x, args.iters)
             r.update(size_mib=size, shape=[m, K], fraction=r["gbps"] / ceiling, reference_ms=r["torch_ms"])
             rows.append(r)
         if not args.only or "swiglu" in args.only or "epilogue" in args.only:
