@@ -137,6 +137,53 @@ def test_a_recompute_runs_the_plan_its_forward_ran(reentrant, device, monkeypatc
     assert seen == [False, True], seen  # the forward, then its recompute in backward
 
 
+class _SharedInput(torch.nn.Module):
+    """q, k and v of one x, as a converted attention block has them; ``write``: x changes in place
+    between q and k."""
+
+    def __init__(self, write: bool, device):
+        super().__init__()
+        kw = {"bias": False, "dtype": torch.bfloat16, "device": device}
+        self.q, self.k, self.v = (torch.nn.Linear(64, 64, **kw) for _ in range(3))
+        self.write = write
+
+    def forward(self, x):
+        q = self.q(x)
+        if self.write:
+            x.mul_(2)
+        return q + self.k(x) + self.v(x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["fp8", "mxfp8", "hybrid"])
+@pytest.mark.parametrize("write", [False, True])
+def test_gemms_reading_one_input_quantize_it_once(name, write, device, monkeypatch):
+    """One quantization of x serves q, k and v (the general path's bits, one quantize call, one
+    saved copy of x's columnwise codes); a write into x between two of them quantizes again."""
+    from dtq.nn import linear_plan
+
+    recipe = recipe_from_name(name)
+    torch.manual_seed(0)
+    module = dtq.convert(_SharedInput(write, device))
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16, device=device)
+    want = _run(module, x, recipe, False, monkeypatch, x_grad=not write)
+    runs, real = [], linear_plan._run
+    monkeypatch.setattr(linear_plan, "_run", lambda plan, x2, *a: runs.append(x2.shape) or real(plan, x2, *a))
+    got = _run(module, x, recipe, True, monkeypatch, x_grad=not write)
+    assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(got, want)), name
+    forward = runs[: runs.index(torch.Size([64, 64]), 1) + 3]  # up to the last weight: x's and the weights'
+    assert forward.count(torch.Size([32, 64])) == (2 if write else 1), runs
+    saved = []
+    pack = lambda t: saved.append(t) or t  # noqa: E731
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), dtq.autocast(recipe):
+        y = module(x.clone())
+    ids = [id(t) for t in saved]
+    assert len(ids) - len(set(ids)) >= (1 if write else 2) * 2  # the shared codes and scales, saved again
+    assert linear_plan._LAST.entry is not None
+    y.float().sum().backward()
+    assert linear_plan._LAST.entry is None  # backward dropped the held payloads
+
+
 @pytest.mark.parametrize("name", GENERAL)
 def test_recipes_the_plan_cannot_take_run_the_general_path(name, monkeypatch):
     recipe = recipe_from_name(name)
