@@ -478,9 +478,8 @@ class QuantizePlan:
                     if t is not None:  # the columnwise codes also written [K, M], from the same launch
                         specs[COLUMNWISE], self.transposed = t, True
                 if specs:
-                    tensor_amax = tuple(
-                        d for d in specs if self.needs_amax.get(d, self.transposed) and not specs[d].amax_vector
-                    )
+                    needs = {**self.needs_amax, COLUMNWISE: True} if self.transposed else self.needs_amax
+                    tensor_amax = tuple(d for d in specs if needs[d] and not specs[d].amax_vector)
                     self.launch = kernels.QuantizeLaunch(specs, tensor_amax)
                     self.reference = tuple(d for d in self.own if d not in specs)
                     # per-column amaxes of T x: no kernel pass computes them; the reference's ops do

@@ -4,11 +4,13 @@ fprop, dgrad and wgrad, which payloads backward keeps) decided once per module G
 gradient combination, input shape and dtype, and weight kind. A step then runs the kernels with
 little Python around them: on a small GEMM the host time of that Python is the step's time.
 
-A plain call is one the general path would run without tensor parallelism, recompute, delayed
-scaling, a backward override or an amax reduction, with every operand quantized (amaxes its
-producers computed, ``x_amax`` and an ``AmaxLink``'s, are taken as the general path takes them).
-It computes the same kernels on the same values in the same order, so the bits are the general
-path's (``tests/nn/test_linear_plan.py`` compares them); anything else takes the general path."""
+A plain call is one the general path would run without tensor parallelism, delayed scaling, a
+backward override or an amax reduction, with every operand quantized (amaxes its producers
+computed, ``x_amax`` and an ``AmaxLink``'s, are taken as the general path takes them); its
+recompute under ``torch.utils.checkpoint`` runs planned too. It computes the same kernels on the
+same values, so the bits are the general path's (``tests/nn/test_linear_plan.py`` compares them);
+anything else takes the general path. What it keeps may differ: FP8 codes written transposed for
+dgrad and wgrad on a GPU, and one quantization of an input that several GEMMs read in a row."""
 
 from __future__ import annotations
 
