@@ -554,6 +554,16 @@ bool fast_enabled() {
   return !(e && e[0] && e[0] != '0');
 }
 
+// The specialised kernel of (a, b) for x's dtype, launched: true; false where it has none.
+bool launch_fast(const at::Tensor& x, const SlotCfg& a, const SlotCfg& b) {
+  switch (x.scalar_type()) {
+    case at::kFloat: return fast::launch<float>(x, a, b);
+    case at::kBFloat16: return fast::launch<__nv_bfloat16>(x, a, b);
+    case at::kHalf: return fast::launch<__half>(x, a, b);
+    default: return false;
+  }
+}
+
 template <typename T>
 void launch(const at::Tensor& x, const SlotCfg& a, const SlotCfg& b, int vec_ok) {
   const int64_t M = x.size(0), K = x.size(1);
@@ -591,16 +601,8 @@ bool quantize_fused(const at::Tensor& x, const std::vector<int64_t>& cfg_a, cons
     // The specialised kernel writes both layouts from one read; elsewhere slot a's codes are
     // quantized alone and then transposed (the same bytes).
     if (K % 16 == 0 && M % 16 == 0 && aligned16(x.data_ptr()) && aligned16(a.data) && aligned16(b.data) &&
-        fast_enabled()) {
-      bool done = false;
-      switch (x.scalar_type()) {
-        case at::kFloat: done = fast::launch<float>(x, a, b); break;
-        case at::kBFloat16: done = fast::launch<__nv_bfloat16>(x, a, b); break;
-        case at::kHalf: done = fast::launch<__half>(x, a, b); break;
-        default: break;
-      }
-      if (done) return true;
-    }
+        fast_enabled() && launch_fast(x, a, b))
+      return true;
     const bool ok = quantize_fused(x, cfg_a, outs_a, amax_a, std::vector<int64_t>(cfg_b.size(), 0), {}, c10::nullopt, seed);
     TORCH_CHECK(ok, "dtq kernels: per-tensor FP8 quantize launched nothing");
     const at::Tensor codes = outs_a[0].view(at::kByte), out = outs_b[0].view(at::kByte);
@@ -617,16 +619,7 @@ bool quantize_fused(const at::Tensor& x, const std::vector<int64_t>& cfg_a, cons
   // The cast pass keeps one set of per-column multipliers (colm): column blocks or FP8 row-wise columns.
   auto per_column = [](const SlotCfg& s) { return (s.br > 1 && s.bc == 1) || (s.kind == kFp8Row && s.bc == 1); };
   TORCH_CHECK(!(per_column(a) && per_column(b)), "dtq kernels: at most one slot may be columnwise");
-  if (vec_ok && fast_enabled()) {
-    bool done = false;
-    switch (x.scalar_type()) {
-      case at::kFloat: done = fast::launch<float>(x, a, b); break;
-      case at::kBFloat16: done = fast::launch<__nv_bfloat16>(x, a, b); break;
-      case at::kHalf: done = fast::launch<__half>(x, a, b); break;
-      default: break;
-    }
-    if (done) return true;
-  }
+  if (vec_ok && fast_enabled() && launch_fast(x, a, b)) return true;
   for (const SlotCfg* s : {&a, &b})
     if (s->kind == kNVFP4 && s->fos && s->br == 16 && s->bc == 16) return false;
   switch (x.scalar_type()) {
