@@ -216,6 +216,21 @@ def hadamard_rows(x: torch.Tensor, seed: int | None, inverse: bool = False) -> t
 # Block helpers (partial edge blocks allowed)
 
 
+_SAME_SIZE_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def stored_amax(x: torch.Tensor) -> torch.Tensor:
+    """``max|x|`` over the values ``x`` holds, as a 0-dim fp32 tensor, taken on their bit patterns
+    (sign bit cleared: non-negative floats order as their bits do, NaN above inf). Why bits: a
+    compiler that fuses this reduction into the kernel producing ``x`` (inductor) would take the
+    max of its unrounded fp32 intermediate instead; a bitcast makes it round to ``x``'s dtype."""
+    int_dtype = _SAME_SIZE_INT.get(x.dtype)
+    if int_dtype is None:
+        return x.abs().amax().float()
+    magnitude = x.view(int_dtype) & torch.iinfo(int_dtype).max
+    return magnitude.amax().view(x.dtype).float()
+
+
 def axis_amax(x: torch.Tensor, dim: int) -> torch.Tensor:
     """max|x| along ``dim`` of a [M, K] tensor (kept as a size-1 dim), NaN canonical; 0 over an empty dim."""
     if x.shape[dim] == 0:

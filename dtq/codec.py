@@ -523,6 +523,20 @@ class QuantizePlan:
         row = out[ROWWISE]
         return {ROWWISE: row, COLUMNWISE: {**row, **out[COLUMNWISE]}}
 
+    def empty(self, shape: tuple[int, int], device: torch.device, dtype: torch.dtype) -> dict[str, Payload]:
+        """Payloads of the layout a call returns (fields, shapes, dtypes, twins sharing tensors),
+        empty and computing nothing: what fake (meta) implementations and saved layouts read."""
+        if self.derived is not None:
+            rows, cols, keep_rows = self.derived
+            col = cols.empty(shape, device, torch.float32)
+            return {ROWWISE: rows.empty(shape, device, dtype)[ROWWISE], **col} if keep_rows else col
+        out = {d: self.codecs[d].empty(shape, device, dtype) for d in self.own}
+        if self.transposed:
+            ((name, tshape, tdtype),) = self.codecs[COLUMNWISE].transposed_codes_spec(shape, dtype).fields
+            row = out[ROWWISE]
+            return {ROWWISE: row, COLUMNWISE: {**row, name: torch.empty(tshape, dtype=tdtype, device=device)}}
+        return {d: dict(out[self.twins[d]]) if d in self.twins else out[d] for d in self.codecs}
+
     def __call__(self, xc: torch.Tensor, given: dict[str, torch.Tensor], seed) -> dict[str, Payload]:
         """Payloads of the contiguous [M, K] ``xc``; ``given``: amaxes of own directions (checked
         shapes, fp32 on xc's device), ``seed``: a tensor when ``uses_rng``."""

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import torch
 
+from dtq._bits import stored_amax
 from dtq._library import define
 from dtq._torch_private import in_backward
 from dtq.nn import _linear_fn as lf
 from dtq.nn.gemm_state import GemmCall, GemmHandle, GemmSlots, template
+from dtq.nn.linear_plan import LinearPlan, shape_plan
 from dtq.tensor import QUANTIZED, QuantizedTensor
 from dtq.tensor_ops import implements
 
@@ -83,6 +85,25 @@ def _layout(key: int, need_dgrad: bool, need_wgrad: bool, x, weight, has_x_amax:
     return specs
 
 
+@torch._dynamo.assume_constant_result
+def plain_template(key: int) -> bool:
+    """Whether calls of the slots template ``key`` run planned (``GemmSlots.plannable``); a graph
+    constant, decided where the graph is traced). A template's slots have no amax histories:
+    the recipe says whether the module's will."""
+    t = template(key)
+    return t.plannable and not t.recipe.delayed
+
+
+@torch._dynamo.assume_constant_result
+def takes_tensor_amax(key: int, slot: str) -> bool:
+    """Whether the ``slot`` ("input" or "grad_output") of template ``key`` scales from a
+    tensor-wide max|x| (``Slot.takes_tensor_amax``): a planned compiled call then computes it in
+    the graph, where inductor fuses the reduction into the kernel that produces the tensor
+    instead of the quantization reading the tensor once more for it."""
+    t = template(key)
+    return not t.recipe.delayed and (t.sx if slot == "input" else t.sg).takes_tensor_amax()
+
+
 def _module_slots(handle: GemmHandle, key: int) -> GemmSlots:
     """The running module's slots for the template the graph was traced with (the same quantizers)."""
     t = template(key)
@@ -96,11 +117,18 @@ def _module_slots(handle: GemmHandle, key: int) -> GemmSlots:
     return slots
 
 
+def _plan(call: GemmCall, x: torch.Tensor, weight) -> LinearPlan | None:
+    return shape_plan(call, x.shape, x.dtype, x.device, weight) if x.dim() >= 2 else None
+
+
 def _forward(
-    x, weight, bias, x_amax, handle, key, need_dgrad, need_wgrad, no_grad_trainable, recompute_only, fake: bool
+    x, weight, bias, x_amax, handle, key, need_dgrad, need_wgrad, no_grad_trainable, recompute_only, planned, fake: bool
 ) -> list:
     if fake:
         call = GemmCall(template(key), need_dgrad, need_wgrad)
+        if planned and (plan := _plan(call, x, weight)) is not None:
+            y, saved = plan.empty_forward(x)
+            return [y, *saved]
         y, sx, sw = lf.linear_forward(call, x, weight, bias, x_amax, quantize=lf.fake_quantize, gemm=lf.fake_mm)
     else:
         slots = _module_slots(handle, key)
@@ -113,6 +141,16 @@ def _forward(
                 "or run this forward eagerly (torch.compiler.set_stance('force_eager'))"
             )
         sync = slots.state.begin(slots.recipe, replay, no_grad_trainable)
+        if planned:
+            if sync is not None:
+                raise RuntimeError(
+                    f"dtq: {slots.name}: a compiled graph traced without an amax reduction runs inside "
+                    "dtq.autocast(amax_group=...); compile the step inside that region"
+                )
+            plan = _plan(slots.call(need_dgrad, need_wgrad), x, weight)
+            if plan is not None:  # (None: a shape no plan takes; the general path raises its message)
+                y, saved = plan.forward(x, weight, bias, x_amax, share=False)
+                return [y, *_unaliased(saved, (x, weight, bias, x_amax))]
         call = GemmCall(slots, need_dgrad, need_wgrad, replay=replay, amax_sync=sync)
         y, sx, sw = lf.linear_forward(call, x, weight, bias, x_amax)
     flat, _ = lf.flatten_saved((sx, sw), keep=(weight,))  # a quantized weight is passed to backward again
@@ -132,11 +170,13 @@ def _linear_impl(
     need_wgrad: bool,
     no_grad_trainable: bool,
     recompute_only: bool,
+    planned: bool,
 ) -> list[torch.Tensor]:
     """``[y, *saved]``: the forward of one GEMM of ``handle``'s module, traced with the slots
-    template ``key``. A quantized
-    weight parameter arrives as its payload tensors ``w_fields`` and layout ``wkey`` (its
-    ``QuantizedTensor`` dispatch takes it apart); ``wkey == 0``: ``weight`` is the weight."""
+    template ``key``. A quantized weight parameter arrives as its payload tensors ``w_fields``
+    and layout ``wkey`` (its ``QuantizedTensor`` dispatch takes it apart); ``wkey == 0``:
+    ``weight`` is the weight. ``planned``: a plain call (:func:`plain_template`), run by its
+    :class:`dtq.nn.linear_plan.LinearPlan` as eager runs it (the same saved fields)."""
     return _forward(
         x,
         _weight(weight, w_fields, wkey),
@@ -148,12 +188,25 @@ def _linear_impl(
         need_wgrad,
         no_grad_trainable,
         recompute_only,
+        planned,
         fake=False,
     )
 
 
 def _linear_fake(
-    x, weight, w_fields, wkey, bias, x_amax, handle, key, need_dgrad, need_wgrad, no_grad_trainable, recompute_only
+    x,
+    weight,
+    w_fields,
+    wkey,
+    bias,
+    x_amax,
+    handle,
+    key,
+    need_dgrad,
+    need_wgrad,
+    no_grad_trainable,
+    recompute_only,
+    planned,
 ):
     return _forward(
         x,
@@ -166,6 +219,7 @@ def _linear_fake(
         need_wgrad,
         no_grad_trainable,
         recompute_only,
+        planned,
         fake=True,
     )
 
@@ -184,10 +238,24 @@ def _linear_backward_impl(
     x_shape: list[int],
     x_dtype: torch.dtype,
     has_x_amax: bool,
+    planned: bool,
+    dy_amax: torch.Tensor | None,
 ) -> list[torch.Tensor]:
-    """``[dx?, dw?, db?]`` (those asked for, in that order) of ``dtq::linear``."""
+    """``[dx?, dw?, db?]`` (those asked for, in that order) of ``dtq::linear``; ``dy_amax``:
+    max|dy|, computed in the graph for a planned call whose dy takes a tensor-wide amax."""
     slots = _module_slots(handle, key)
     w = _weight(weight, w_fields, wkey)
+    if planned:
+        plan = shape_plan(slots.call(need_dgrad, need_wgrad), torch.Size(x_shape), x_dtype, dy.device, w)
+        if plan is None:  # the forward ran this shape's plan: it builds again
+            raise RuntimeError(f"dtq: {slots.name}: no plan for the backward of a planned forward ({x_shape})")
+        wobj = None
+        if isinstance(w, QUANTIZED):
+            # under FSDP2, the parameter the backward all-gather refilled, as eager backward reads it
+            live = slots.live_weight() if slots.state.fsdp_gathered else None
+            wobj = live if isinstance(live, QuantizedTensor) else w
+        grads = plan.backward(dy, tuple(saved), wobj, None, w.dtype, need_bgrad, dy_amax)
+        return [g.contiguous() for g in grads if g is not None]
     x_meta = torch.empty(x_shape, dtype=x_dtype, device="meta")
     specs = _layout(key, need_dgrad, need_wgrad, x_meta, w, has_x_amax)
     saved_x, saved_w = lf.unflatten_saved(list(saved), specs)
@@ -202,7 +270,21 @@ def _linear_backward_impl(
 
 
 def _linear_backward_fake(
-    dy, saved, weight, w_fields, wkey, handle, key, need_dgrad, need_wgrad, need_bgrad, x_shape, x_dtype, has_x_amax
+    dy,
+    saved,
+    weight,
+    w_fields,
+    wkey,
+    handle,
+    key,
+    need_dgrad,
+    need_wgrad,
+    need_bgrad,
+    x_shape,
+    x_dtype,
+    has_x_amax,
+    planned,
+    dy_amax,
 ):
     w = _weight(weight, w_fields, wkey)
     out = []
@@ -216,7 +298,7 @@ def _linear_backward_fake(
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, _, _, bias, x_amax, handle, key, need_dgrad, need_wgrad, _, _ = inputs
+    x, weight, _, _, bias, x_amax, handle, key, need_dgrad, need_wgrad, _, _, planned = inputs
     ctx.args = (
         handle,
         key,
@@ -226,18 +308,23 @@ def _setup_context(ctx, inputs, output):
         list(x.shape),
         x.dtype,
         x_amax is not None,
+        planned,
     )
     ctx.save_for_backward(weight, *output[1:])
 
 
 def _backward(ctx, grads):
-    need_dgrad, need_wgrad, need_bgrad = ctx.args[2:5]
+    key, need_dgrad, need_wgrad, need_bgrad = ctx.args[1:5]
+    planned = ctx.args[-1]
     weight, *saved = ctx.saved_tensors
-    out = iter(linear_backward(grads[0], saved, weight, [], 0, *ctx.args))
+    dy, dy_amax = grads[0], None
+    if planned and (need_dgrad or need_wgrad) and dy.numel() and takes_tensor_amax(key, "grad_output"):
+        dy_amax = stored_amax(dy.detach())  # in the graph: fused into dy's producer
+    out = iter(linear_backward(dy, saved, weight, [], 0, *ctx.args, dy_amax))
     dx = next(out) if need_dgrad else None
     dw = next(out) if need_wgrad else None
     db = next(out) if need_bgrad else None
-    return dx, dw, [], None, db, None, None, None, None, None, None, None  # w_fields: always [] at this level
+    return dx, dw, [], None, db, None, None, None, None, None, None, None, None  # w_fields: always [] here
 
 
 def _dequantize_weight_impl(

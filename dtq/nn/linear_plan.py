@@ -35,7 +35,7 @@ from dtq.codec import (
 from dtq.formats import COLUMNWISE, ROWWISE
 from dtq.gemm import Operand, bind, transposed_reads
 from dtq.nn._linear_fn import check_weight_columnwise
-from dtq.tensor import QuantizedTensor
+from dtq.tensor import QUANTIZED
 
 if TYPE_CHECKING:
     from dtq.nn.gemm_state import GemmCall
@@ -57,6 +57,7 @@ class LinearPlan:
         "w2d",
         "g2d",
         "x_dtype",
+        "w_dtype",
         "out_shape",
         "quantized_weight",
         "w_quantizer",
@@ -67,19 +68,18 @@ class LinearPlan:
         "wgrad",
     )
 
-    def __init__(self, call: GemmCall, x: torch.Tensor, wl: torch.Tensor):
+    def __init__(self, call: GemmCall, x_shape: torch.Size, x_dtype: torch.dtype, dev: torch.device, wl):
         slots = call.slots
         self.call = call
-        self.x_shape, self.x_dtype = x.shape, x.dtype
-        self.x2d, self.w2d = shape_2d(x.shape), (wl.shape[0], wl.shape[-1])
+        self.x_shape, self.x_dtype, self.w_dtype = x_shape, x_dtype, wl.dtype
+        self.x2d, self.w2d = shape_2d(x_shape), (wl.shape[0], wl.shape[-1])
         self.g2d = (self.x2d[0], self.w2d[0])
-        self.out_shape = (*x.shape[:-1], wl.shape[0])
-        dev = x.device
-        self.quantized_weight = isinstance(wl, QuantizedTensor)
+        self.out_shape = (*x_shape[:-1], wl.shape[0])
+        self.quantized_weight = isinstance(wl, QUANTIZED)
         self.w_quantizer = wl.quantizer if self.quantized_weight else slots.sw.quantizer
-        tx, tw, tg = self._transposed_columnwise(x, wl)
+        tx, tw, tg = self._transposed_columnwise(dev)
         self.qx = quantize_plan(
-            slots.sx.quantizer, wanted_directions(True, call.need_wgrad), self.x2d, x.dtype, dev, transposed=tx
+            slots.sx.quantizer, wanted_directions(True, call.need_wgrad), self.x2d, x_dtype, dev, transposed=tx
         )
         self.qw = None
         if not self.quantized_weight:
@@ -87,32 +87,50 @@ class LinearPlan:
             self.qw = quantize_plan(self.w_quantizer, dirs, self.w2d, wl.dtype, dev, transposed=tw)
         need_g = call.need_dgrad or call.need_wgrad
         g_dirs = wanted_directions(call.need_dgrad, call.need_wgrad) if need_g else ()
-        self.qg = quantize_plan(slots.sg.quantizer, g_dirs, self.g2d, x.dtype, dev, transposed=tg) if g_dirs else None
+        self.qg = quantize_plan(slots.sg.quantizer, g_dirs, self.g2d, x_dtype, dev, transposed=tg) if g_dirs else None
+        # the columnwise fields backward keeps, from the plans' layouts (fixed before any call:
+        # the compiled path's fake implementation and backward read them too)
+        meta = torch.device("meta")
         self.x_fields = self.w_fields = ()
+        if call.need_wgrad:
+            self.x_fields = _saved_fields(self.qx.empty(self.x2d, meta, x_dtype)[COLUMNWISE])
+        if self.qw is not None and call.need_dgrad:
+            self.w_fields = _saved_fields(self.qw.empty(self.w2d, meta, wl.dtype)[COLUMNWISE])
         self.fprop = self.dgrad = self.wgrad = None
 
-    def _transposed_columnwise(self, x: torch.Tensor, wl: torch.Tensor) -> tuple[bool, bool, bool]:
+    def _transposed_columnwise(self, dev: torch.device) -> tuple[bool, bool, bool]:
         """Whether x's, the weight's and dy's columnwise codes should also be written transposed by
         their quantize launch: where the GEMM path that will read them (wgrad, dgrad) takes them
         [K, M] (Hopper's FP8 GEMMs), which then spares a transpose kernel per operand per call."""
-        call, dev = self.call, x.device
+        call, x_dtype, w_dtype = self.call, self.x_dtype, self.w_dtype
         tx = tw = tg = False
         if dev.type != "cuda":
             return tx, tw, tg
         sx, sg = call.slots.sx.quantizer, call.slots.sg.quantizer
         if call.need_wgrad:
-            dy_t = _meta_operand(sg, COLUMNWISE, self.g2d, x.dtype, dev, transpose=True)
-            tg, tx = transposed_reads(dy_t, _meta_operand(sx, COLUMNWISE, self.x2d, x.dtype, dev), wl.dtype)
+            dy_t = _meta_operand(sg, COLUMNWISE, self.g2d, x_dtype, dev, transpose=True)
+            tg, tx = transposed_reads(dy_t, _meta_operand(sx, COLUMNWISE, self.x2d, x_dtype, dev), w_dtype)
         if call.need_dgrad and not self.quantized_weight:
-            dy = _meta_operand(sg, ROWWISE, self.g2d, x.dtype, dev)
-            _, tw = transposed_reads(dy, _meta_operand(self.w_quantizer, COLUMNWISE, self.w2d, wl.dtype, dev), x.dtype)
+            dy = _meta_operand(sg, ROWWISE, self.g2d, x_dtype, dev)
+            _, tw = transposed_reads(dy, _meta_operand(self.w_quantizer, COLUMNWISE, self.w2d, w_dtype, dev), x_dtype)
         return tx, tw, tg
 
-    def forward(self, x: torch.Tensor, wl: torch.Tensor, bias: torch.Tensor | None, x_amax: torch.Tensor | None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        wl: torch.Tensor,
+        bias: torch.Tensor | None,
+        x_amax: torch.Tensor | None,
+        share: bool = True,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``(y, tensors to save)`` as ``linear_forward`` computes them (``x_amax``: max|x|, if its
-        producer computed it)."""
+        producer computed it). ``share``: take x's payloads from the previous call that quantized
+        x the same way (:class:`_LastInput`); a custom op's outputs may not be shared (False)."""
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        px = _input_payloads(self.qx, x, x2, self.call.slots.sx, x_amax)
+        if share:
+            px = _input_payloads(self.qx, x, x2, self.call.slots.sx, x_amax)
+        else:
+            px = _run(self.qx, x2, self.call.slots.sx, x_amax)
         pw = {ROWWISE: wl.payload(ROWWISE)} if self.quantized_weight else _run(self.qw, as_2d(wl, self.w_quantizer))
         if self.fprop is None:
             self._bind_forward(px, pw, x, wl, bias)
@@ -128,25 +146,44 @@ class LinearPlan:
             saved += [pw[COLUMNWISE][k] for k in self.w_fields]
         return y, saved
 
+    def empty_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """What :meth:`forward` returns, empty (the compiled path's fake implementation)."""
+        dev = x.device
+        saved = []
+        if self.x_fields:
+            px = self.qx.empty(self.x2d, dev, self.x_dtype)[COLUMNWISE]
+            saved += [px[k] for k in self.x_fields]
+        if self.w_fields:
+            pw = self.qw.empty(self.w2d, dev, self.w_dtype)[COLUMNWISE]
+            saved += [pw[k] for k in self.w_fields]
+        return torch.empty(self.out_shape, dtype=self.x_dtype, device=dev), saved
+
     def _bind_forward(self, px: dict, pw: dict, x: torch.Tensor, wl: torch.Tensor, bias) -> None:
-        call = self.call
-        if call.need_wgrad:
-            self.x_fields = _saved_fields(px[COLUMNWISE])
-        if call.need_dgrad and not self.quantized_weight:
-            self.w_fields = _saved_fields(pw[COLUMNWISE])
         self.fprop = bind(
             _operand(self.qx.q, px, ROWWISE, self.x2d, x.dtype, x.device),
             _operand(self.w_quantizer, pw, ROWWISE, self.w2d, wl.dtype, x.device, transpose=True),
             torch.float32 if bias is not None else x.dtype,
         )
 
-    def backward(self, dy: torch.Tensor, saved: tuple, wobj, link, w_dtype: torch.dtype, need_bgrad: bool):
-        """``(dx, dw, db)`` as ``linear_backward`` computes them (``link``: the call's AmaxLink)."""
+    def backward(
+        self,
+        dy: torch.Tensor,
+        saved: tuple,
+        wobj,
+        link,
+        w_dtype: torch.dtype,
+        need_bgrad: bool,
+        dy_amax: torch.Tensor | None = None,
+    ) -> tuple:
+        """``(dx, dw, db)`` as ``linear_backward`` computes them (``link``: the call's AmaxLink;
+        ``dy_amax``: max|dy| if computed already)."""
         call = self.call
         dy2 = (dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])).contiguous()
         dx = dw = None
         if self.qg is not None:
-            known = link.take_grad_amax() if link is not None else None  # max|dy| from the next op's kernel
+            known = dy_amax
+            if link is not None:  # max|dy| from the next op's kernel
+                known = link.take_grad_amax()
             pg = _run(self.qg, dy2, call.slots.sg, known)
             n = len(self.x_fields)
             if call.need_dgrad:
@@ -236,26 +273,34 @@ def _run(plan: QuantizePlan, x: torch.Tensor, slot=None, known: torch.Tensor | N
     return plan(xc, given, _seed(None, x) if plan.uses_rng else None)
 
 
-def _weight_columnwise(call: GemmCall, w: QuantizedTensor) -> dict:
+def _weight_columnwise(call: GemmCall, w) -> dict:
     check_weight_columnwise(call, w)
     return w.payload(COLUMNWISE)
 
 
-def plan_for(call: GemmCall, x: torch.Tensor, wl: torch.Tensor) -> LinearPlan | None:
+def plan_for(call: GemmCall, x: torch.Tensor, wl) -> LinearPlan | None:
     """The cached plan of this call shape, or None where the general path must run (an input or
     weight of another kind than planned ones, or a shape a format refuses: the general path then
     raises its message)."""
     if type(x) is not torch.Tensor or x.dim() < 2:
         return None
-    w_kind = wl.quantizer if isinstance(wl, QuantizedTensor) else None
-    key = (call.need_dgrad, call.need_wgrad, x.shape, x.dtype, x.device, wl.shape, wl.dtype, w_kind)
+    return shape_plan(call, x.shape, x.dtype, x.device, wl)
+
+
+def shape_plan(
+    call: GemmCall, x_shape: torch.Size, x_dtype: torch.dtype, device: torch.device, wl
+) -> LinearPlan | None:
+    """:func:`plan_for` of an input described by its shape, dtype and device (the compiled path's
+    fake implementation and backward have no input tensor; ``x_shape`` has 2 dims or more)."""
+    w_kind = wl.quantizer if isinstance(wl, QUANTIZED) else None
+    key = (call.need_dgrad, call.need_wgrad, x_shape, x_dtype, device, wl.shape, wl.dtype, w_kind)
     plans = call.slots.plans
     token = kernels.disabled_token()
     hit = plans.get(key)
     if hit is not None and hit[0] == token:
         return hit[1]
     try:
-        plan = LinearPlan(call, x, wl)
+        plan = LinearPlan(call, x_shape, x_dtype, device, wl)
     except ValueError:
         return None
     if len(plans) > 64:

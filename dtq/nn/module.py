@@ -6,9 +6,10 @@ import weakref
 
 import torch
 
+from dtq._bits import stored_amax
 from dtq._torch_private import in_backward
 from dtq._warn import warn_once
-from dtq.autocast import active_recipe
+from dtq.autocast import active_amax_sync, active_recipe
 from dtq.distributed import tp
 from dtq.nn import _ops
 from dtq.nn._linear_fn import DequantizeWeight, LinearFn, WeightData
@@ -254,6 +255,12 @@ class QuantizedModule(torch.nn.Module):
                 self.gemm_suffixes()[gemm],
                 gemm,
             )
+            # A plain call runs its plan (as eager does); where its input scales from a tensor-wide
+            # amax, that is computed here, in the graph, so that inductor fuses the reduction into
+            # the kernel producing x (on x's stored values: exactly the amax eager computes).
+            planned = _ops.plain_template(key) and active_amax_sync() is None
+            if planned and x_amax is None and x.numel() and _ops.takes_tensor_amax(key, "input"):
+                x_amax = stored_amax(x.detach())
             outs = _ops.linear(
                 x,
                 weight,
@@ -267,6 +274,7 @@ class QuantizedModule(torch.nn.Module):
                 grad and weight.requires_grad,
                 no_grad_trainable,
                 recompute_only,
+                planned,
             )
             return outs[0]
         if recipe is None and spec is None:

@@ -81,17 +81,22 @@ class Slot:
         over the whole tensor (current scaling), where ``known`` is that value already (computed
         by the kernel that produced x)."""
         shape = shape_2d(x.shape)
-        out = {}
-        for d, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):
-            codec = self.quantizer.codec(d) if on else None
-            if (
-                codec is not None
-                and codec.needs_amax()
-                and codec.amax_space() == "x"
-                and tuple(codec.amax_shape(shape)) == ()
-            ):
-                out[d] = known
-        return out
+        return {
+            d: known
+            for d, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise))
+            if on and _scales_from_tensor_amax(self.quantizer.codec(d), shape)
+        }
+
+    def takes_tensor_amax(self) -> bool:
+        """Whether a direction of this slot scales from max|x| over the whole tensor (current
+        scaling), so that an amax computed ahead (by x's producer) spares its quantization a pass.
+        A tensor-wide amax has shape ``()`` whatever the tensor's, hence the probe shape."""
+        q = self.quantizer
+        return (
+            q is not None
+            and self.history is None
+            and any(_scales_from_tensor_amax(q.codec(d), (1, 1)) for d in (ROWWISE, COLUMNWISE))
+        )
 
     def quantize(
         self,
@@ -129,3 +134,9 @@ class Slot:
             )
         except ValueError as e:
             raise ValueError(f"{self.role}: {e}") from None
+
+
+def _scales_from_tensor_amax(codec, shape: tuple[int, int]) -> bool:
+    return (
+        codec is not None and codec.needs_amax() and codec.amax_space() == "x" and tuple(codec.amax_shape(shape)) == ()
+    )

@@ -112,6 +112,50 @@ def test_fullgraph_inductor_equals_eager(module, recipe):
     _check(module, recipe, "inductor")
 
 
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_delayed"])
+def test_compiled_plain_calls_run_their_plans_with_amaxes_from_the_graph(recipe):
+    """Under current scaling a compiled GEMM call runs the plan eager runs (``LinearPlan``: the same
+    kept fields, e.g. FP8 codes written transposed on a GPU), and the tensor-wide amaxes of its
+    input and of dy are computed in the graph (where inductor fuses them into the kernels that
+    produce those tensors) and handed to the ops. Delayed scaling takes neither."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    r = ALL[recipe]()
+    model = _make("converted_block", r)
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+    x = torch.randn(2, 16, H)
+    want = _step(_make("converted_block", r), x, r, seed=0)
+    got = _step(compiled, x, r, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    planned = recipe == "fp8"
+    linears = [m for m in model.modules() if isinstance(m, dtq.nn.Linear)]
+    assert [bool(m._slots(r, 0).plans) for m in linears] == [planned] * 4
+    fw, bw = graphs
+    ops = {fw: (torch.ops.dtq.linear.default, 5), bw: (torch.ops.dtq.linear_backward.default, 14)}
+    for g, (op, amax_arg) in ops.items():
+        calls = [n for n in g.graph.nodes if n.target is op]
+        assert len(calls) == 4
+        for n in calls:
+            amax = n.args[amax_arg]
+            assert (amax is not None and _reduces_with_amax(amax)) == planned, (op, amax)
+
+
+def _reduces_with_amax(node) -> bool:
+    """Whether an FX node is an ``aten.amax`` or computed from one by dtype casts and views."""
+    while node.target is not torch.ops.aten.amax.default:
+        if not node.args or not isinstance(node.args[0], torch.fx.Node):
+            return False
+        node = node.args[0]
+    return True
+
+
 def test_recipe_change_recompiles_and_uses_the_new_recipe():
     """The active recipe is a guard: switching recipes between steps runs the new recipe's GEMMs."""
     model = _make("linear", None)
