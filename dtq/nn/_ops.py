@@ -87,9 +87,9 @@ def _layout(key: int, need_dgrad: bool, need_wgrad: bool, x, weight, has_x_amax:
 
 @torch._dynamo.assume_constant_result
 def plain_template(key: int) -> bool:
-    """Whether calls of the slots template ``key`` run planned (``GemmSlots.plannable``); a graph
-    constant, decided where the graph is traced). A template's slots have no amax histories:
-    the recipe says whether the module's will."""
+    """Whether calls of the slots template ``key`` run planned (``GemmSlots.plannable``): a graph
+    constant, decided where the graph is traced. A template's slots have no amax histories: the
+    recipe says whether the module's will."""
     t = template(key)
     return t.plannable and not t.recipe.delayed
 
