@@ -33,7 +33,8 @@ _lock = threading.Lock()
 @contextlib.contextmanager
 def record_paths() -> Iterator[list[str]]:
     """Collect the name of every GEMM path taken while the block is open, on any thread (CUDA
-    backward passes run on autograd's own threads). For tests and debugging."""
+    backward passes run on autograd's own threads), with " fast_accum" appended where it
+    accumulated fast. For tests and debugging."""
     rec: list[str] = []
     with _lock:
         _recorders.append(rec)
@@ -208,6 +209,10 @@ class GemmPath:
     # ``run`` on the operands' payloads and transpose flags alone (``pa, pb, ta, tb, out_dtype``),
     # for :func:`bind`: no Operand is built per call (host time)
     run_payloads: Callable[..., torch.Tensor] | None = None
+    # whether ``run`` (and ``run_payloads``) take ``fast_accum``: cuBLAS's FP8 fast accumulation
+    # (partial sums kept in the tensor core's reduced precision, never promoted to fp32 on the
+    # way); paths without it accumulate as they always do
+    fast_accum: bool = False
 
 
 def _shared_rotation(a: Operand, b: Operand) -> bool:
@@ -310,18 +315,21 @@ def _scalar_fp32(s: torch.Tensor) -> torch.Tensor:
     return s if s.dim() == 0 and s.dtype == torch.float32 else s.reshape(()).float()
 
 
-def _fp8_tensorwise_payloads(pa: dict, pb: dict, ta: bool, tb: bool, out_dtype: torch.dtype) -> torch.Tensor:
+def _fp8_tensorwise_payloads(
+    pa: dict, pb: dict, ta: bool, tb: bool, out_dtype: torch.dtype, fast_accum: bool = False
+) -> torch.Tensor:
     return torch._scaled_mm(
         _row_major(pa, ta),
         _col_major(pb, tb),
         scale_a=_scalar_fp32(pa["scale_inv"]),
         scale_b=_scalar_fp32(pb["scale_inv"]),
         out_dtype=out_dtype,
+        use_fast_accum=fast_accum,
     )
 
 
-def _fp8_tensorwise(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
-    return _fp8_tensorwise_payloads(a.payload, b.payload, a.transpose, b.transpose, out_dtype)
+def _fp8_tensorwise(a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+    return _fp8_tensorwise_payloads(a.payload, b.payload, a.transpose, b.transpose, out_dtype, fast_accum)
 
 
 def _row_scales(op: Operand, is_b: bool) -> bool:
@@ -374,7 +382,7 @@ def _fp8_rowwise_ok(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
     return m % 16 == 0 and k % 16 == 0 and n % 16 == 0
 
 
-def _fp8_rowwise(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
+def _fp8_rowwise(a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     # scale_a [m, 1], scale_b [1, n], fp32: a stored fp8_row scale holds one value per
     # non-contraction index already (in either orientation); a per-tensor scale is broadcast.
     (m, _), (_, n) = a.logical_shape(), b.logical_shape()
@@ -386,6 +394,7 @@ def _fp8_rowwise(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor
         scale_a=sa,
         scale_b=sb,
         out_dtype=out_dtype,
+        use_fast_accum=fast_accum,
     )
 
 
@@ -454,9 +463,11 @@ def _fp8_blockwise(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tens
 
 
 PATHS: list[GemmPath] = [
-    GemmPath("fp8_tensorwise_scaled_mm", _fp8_tensorwise_ok, _fp8_tensorwise, _fp8_tensorwise_payloads),
+    GemmPath(
+        "fp8_tensorwise_scaled_mm", _fp8_tensorwise_ok, _fp8_tensorwise, _fp8_tensorwise_payloads, fast_accum=True
+    ),
     GemmPath("fp8_blockwise_scaled_mm", _fp8_blockwise_ok, _fp8_blockwise),
-    GemmPath("fp8_rowwise_scaled_mm", _fp8_rowwise_ok, _fp8_rowwise),
+    GemmPath("fp8_rowwise_scaled_mm", _fp8_rowwise_ok, _fp8_rowwise, fast_accum=True),
     GemmPath("emulated_bf16", _bf16_exact_ok, _emulated_bf16),
     GemmPath("emulated", lambda a, b, o: True, _emulated),
 ]
@@ -489,12 +500,17 @@ def _record(name: str) -> None:
             rec.append(name)
 
 
-def mm(a: Operand, b: Operand, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``op(A) @ op(B)`` through the first path that supports this pairing."""
+def mm(a: Operand, b: Operand, out_dtype: torch.dtype = torch.float32, fast_accum: bool = False) -> torch.Tensor:
+    """``op(A) @ op(B)`` through the first path that supports this pairing; ``fast_accum``: with
+    FP8 fast accumulation where the path has it (see ``GemmPath.fast_accum``)."""
     path = select(a, b, out_dtype)
+    fast = fast_accum and path.fast_accum
     if _recorders:
-        _record(path.name)
-    return path.run(a, b, out_dtype)
+        _record(path.name + _FAST if fast else path.name)
+    return path.run(a, b, out_dtype, True) if fast else path.run(a, b, out_dtype)
+
+
+_FAST = " fast_accum"  # what record_paths() appends to a path that accumulated fast
 
 
 # Paths that take op(A) / op(B) through _row_major / _col_major: they read a transposed operand's
@@ -511,20 +527,24 @@ def transposed_reads(a: Operand, b: Operand, out_dtype: torch.dtype) -> tuple[bo
     return a.transpose, not b.transpose
 
 
-def bind(a: Operand, b: Operand, out_dtype: torch.dtype) -> Callable[[dict, dict], torch.Tensor]:
+def bind(
+    a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: bool = False
+) -> Callable[[dict, dict], torch.Tensor]:
     """:func:`mm` of operands like ``a`` and ``b`` (same formats, directions, transposes, shapes,
     dtypes and device) as a function of their two payloads, its path chosen now: what a GEMM
     that runs again and again with new payloads calls (``dtq.nn.linear_plan``). Keeps no tensor
     of ``a`` or ``b``."""
     path = select(a, b, out_dtype)
-    name = path.name
+    fast = fast_accum and path.fast_accum
+    name = path.name + _FAST if fast else path.name
+    extra = (True,) if fast else ()
     if path.run_payloads is not None:
         run, ta, tb = path.run_payloads, a.transpose, b.transpose
 
         def bound(pa: dict, pb: dict) -> torch.Tensor:
             if _recorders:
                 _record(name)
-            return run(pa, pb, ta, tb, out_dtype)
+            return run(pa, pb, ta, tb, out_dtype, *extra)
 
         return bound
     like_a, like_b, run_ops = a.with_payload(None), b.with_payload(None), path.run
@@ -532,6 +552,6 @@ def bind(a: Operand, b: Operand, out_dtype: torch.dtype) -> Callable[[dict, dict
     def bound_operands(pa: dict, pb: dict) -> torch.Tensor:
         if _recorders:
             _record(name)
-        return run_ops(like_a.with_payload(pa), like_b.with_payload(pb), out_dtype)
+        return run_ops(like_a.with_payload(pa), like_b.with_payload(pb), out_dtype, *extra)
 
     return bound_operands

@@ -67,9 +67,13 @@ def recipe_by_key(key: int) -> Recipe:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Recipe:
     """Base of all recipes (frozen, keyword-only settings). ``backward_override``: None |
-    "high_precision" | "dequantized"."""
+    "high_precision" | "dequantized". ``fprop_fast_accumulation``: the forward GEMM (fprop)
+    accumulates in the FP8 tensor cores' fast mode where its path has one (Hopper's per-tensor
+    and row-wise FP8 GEMMs: partial sums are not promoted to fp32 along the way; faster, less
+    exact); dgrad and wgrad never do."""
 
     backward_override: str | None = None
+    fprop_fast_accumulation: bool = False
     delayed: ClassVar[bool] = False  # modules keep amax histories for this recipe's slots
     # Whether quantizers depend on the role's module name (torch.compile then compiles each
     # module's GEMMs apart; otherwise blocks of one structure share a graph).
@@ -163,6 +167,8 @@ class _Float8Recipe(Recipe):
 
     fp8_format: str = "HYBRID"
     pow2_scales: bool = False
+    # on by default, as TransformerEngine's FP8 recipes and torchao's float8 training have it
+    fprop_fast_accumulation: bool = dataclasses.field(default=True, kw_only=True)
     quantizer_cls: ClassVar[type] = Float8Quantizer
 
     def __post_init__(self):

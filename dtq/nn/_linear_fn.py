@@ -118,7 +118,7 @@ def fake_quantize(slot: Slot, x: torch.Tensor, rowwise: bool, columnwise: bool, 
     return QuantizedData(x.shape, x.dtype, q, payloads, device=x.device)
 
 
-def fake_mm(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
+def fake_mm(a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     (m, _), (_, n) = a.logical_shape(), b.logical_shape()
     return torch.empty(m, n, dtype=out_dtype, device=a.tensor.device)
 
@@ -166,7 +166,12 @@ def linear_forward(
             sw, wl, rowwise=True, columnwise=bwd_cols and call.need_dgrad, replay=call.replay, sync=call.amax_sync
         )
     # GEMMs write the output dtype directly (no extra cast pass); with a bias, fp32 first.
-    y = gemm(Operand(xq, ROWWISE), Operand(wq, ROWWISE, transpose=True), torch.float32 if bias is not None else x.dtype)
+    y = gemm(
+        Operand(xq, ROWWISE),
+        Operand(wq, ROWWISE, transpose=True),
+        torch.float32 if bias is not None else x.dtype,
+        fast_accum=slots.recipe.fprop_fast_accumulation,
+    )
     if bias is not None:
         y = y + local_tensor(bias).to(torch.float32)
     if override is None:

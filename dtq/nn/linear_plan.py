@@ -163,6 +163,7 @@ class LinearPlan:
             _operand(self.qx.q, px, ROWWISE, self.x2d, x.dtype, x.device),
             _operand(self.w_quantizer, pw, ROWWISE, self.w2d, wl.dtype, x.device, transpose=True),
             torch.float32 if bias is not None else x.dtype,
+            fast_accum=self.call.slots.recipe.fprop_fast_accumulation,
         )
 
     def backward(

@@ -165,6 +165,10 @@ def test_modules_take_native_path_on_gpu():
     lin = dtq.nn.Linear(K, N).cuda()
     with record_paths() as paths, dtq.autocast(dtq.Float8CurrentScaling()):
         lin(torch.randn(M, K, device="cuda", requires_grad=True)).sum().backward()
+    # fprop with fast accumulation (the FP8 recipes' default), then dgrad and wgrad without
+    assert paths == ["fp8_tensorwise_scaled_mm fast_accum"] + ["fp8_tensorwise_scaled_mm"] * 2
+    with record_paths() as paths, dtq.autocast(dtq.Float8CurrentScaling(fprop_fast_accumulation=False)):
+        lin(torch.randn(M, K, device="cuda", requires_grad=True)).sum().backward()
     assert paths == ["fp8_tensorwise_scaled_mm"] * 3
     if torch.cuda.get_device_capability()[0] == 9:
         lin = dtq.nn.Linear(256, 384).cuda()
@@ -175,7 +179,31 @@ def test_modules_take_native_path_on_gpu():
         for fmt in ("E4M3", "HYBRID"):  # HYBRID: E5M2 gradients against E4M3 operands
             with record_paths() as paths, dtq.autocast(dtq.Float8RowwiseScaling(fp8_format=fmt)):
                 lin(torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)).sum().backward()
-            assert paths == ["fp8_rowwise_scaled_mm"] * 3, fmt
+            assert paths == ["fp8_rowwise_scaled_mm fast_accum"] + ["fp8_rowwise_scaled_mm"] * 2, fmt
+
+
+@cuda
+@pytest.mark.parametrize("grad", [False, True])
+def test_fprop_fast_accumulation_is_scaled_mm_with_fast_accum(grad):
+    """An FP8 recipe's forward GEMM is ``torch._scaled_mm`` with ``use_fast_accum=True`` by default
+    (TransformerEngine's and torchao's choice), bit for bit, planned (grad) or not; with
+    ``fprop_fast_accumulation=False`` the accurate one."""
+    lin = dtq.nn.Linear(K, N, bias=False, params_dtype=torch.bfloat16).cuda()
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+    q = dtq.Float8Quantizer()
+    px, pw = q.quantize(x.detach()).payload("rowwise"), q.quantize(lin.weight.detach()).payload("rowwise")
+    for fast in (True, False):
+        with torch.set_grad_enabled(grad), dtq.autocast(dtq.Float8CurrentScaling(fprop_fast_accumulation=fast)):
+            y = lin(x)
+        want = torch._scaled_mm(
+            px["data"],
+            pw["data"].t(),
+            scale_a=px["scale_inv"],
+            scale_b=pw["scale_inv"],
+            out_dtype=torch.bfloat16,
+            use_fast_accum=fast,
+        )
+        assert torch.equal(y.detach(), want), fast
 
 
 @pytest.mark.parametrize("q", ALL, ids=IDS)
