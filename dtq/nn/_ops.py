@@ -24,24 +24,28 @@ from dtq.nn.gemm_state import GemmCall, GemmHandle, GemmSlots, template
 from dtq.nn.linear_plan import LinearPlan, shape_plan
 from dtq.tensor import QUANTIZED, QuantizedTensor
 from dtq.tensor_ops import implements
+from dtq.weights import unwrap
 
 
 def _unaliased(flat: list, inputs: tuple) -> list:
     """Custom-op outputs may not alias inputs (or each other): a saved operand that is an input or
     a view of one (the high-precision input of ``backward_override="high_precision"``, a
-    passthrough payload) is copied; and they are contiguous, as the fake implementation says."""
+    passthrough payload) is copied; and they are contiguous, as the fake implementation says.
+    Aliasing is sharing a storage: compared by storage address, one lookup per tensor (a pairwise
+    ``_is_alias_of`` cost more host time than a small GEMM's kernels)."""
     tensors = []
-    for i in inputs:  # a quantized weight (QuantizedData) as its payload tensors: torch's alias check takes
-        if isinstance(i, QUANTIZED):  # tensors only (anything else it tries to script, on every call)
+    for i in inputs:  # a quantized weight (QuantizedData) as its payload tensors
+        if isinstance(i, QUANTIZED):
             tensors += lf.flatten_saved((i,))[0]
         elif isinstance(i, torch.Tensor):
-            tensors.append(i)
-    out, seen = [], []
+            tensors.append(unwrap(i))  # dtq's weight wrapper: its data's storage
+    seen = {t.untyped_storage().data_ptr() for t in tensors}
+    out = []
     for t in flat:
-        if any(torch._C._is_alias_of(t, i) for i in (*tensors, *seen)):
+        if t.untyped_storage().data_ptr() in seen:
             t = t.clone(memory_format=torch.contiguous_format)
         t = t.contiguous()  # the fake payloads are contiguous
-        seen.append(t)
+        seen.add(t.untyped_storage().data_ptr())
         out.append(t)
     return out
 
@@ -246,9 +250,8 @@ def _linear_backward_impl(
     slots = _module_slots(handle, key)
     w = _weight(weight, w_fields, wkey)
     if planned:
+        # the forward ran this shape's plan, so it exists (or builds again: the same layout)
         plan = shape_plan(slots.call(need_dgrad, need_wgrad), torch.Size(x_shape), x_dtype, dy.device, w)
-        if plan is None:  # the forward ran this shape's plan: it builds again
-            raise RuntimeError(f"dtq: {slots.name}: no plan for the backward of a planned forward ({x_shape})")
         wobj = None
         if isinstance(w, QUANTIZED):
             # under FSDP2, the parameter the backward all-gather refilled, as eager backward reads it

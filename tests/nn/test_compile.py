@@ -182,3 +182,21 @@ def _fsdp_compiled_blocks(rank, world, quantized_params):
 @pytest.mark.parametrize("quantized_params", [False, True])
 def test_fsdp2_over_compiled_blocks(quantized_params):
     spawn(_fsdp_compiled_blocks, 2, quantized_params)
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_op_outputs_alias_no_input_and_no_other_output(wrapped):
+    """The GEMM ops' outputs (``_ops._unaliased``): one sharing a storage with an input or with an
+    earlier output is copied, a fresh contiguous one passes as it is, all come out contiguous;
+    dtq's weight wrapper counts as the tensor it wraps."""
+    from dtq.nn import _ops
+    from dtq.weights import HighPrecisionWeight
+
+    x, w, fresh = torch.randn(8, 4), torch.randn(4, 4), torch.randn(4, 8)
+    inputs = (x, HighPrecisionWeight.wrap(w) if wrapped else w, None)
+    flat = [x[:2], fresh, fresh.t(), x.t(), w]
+    out = _ops._unaliased(flat, inputs)
+    assert out[1] is fresh
+    assert all(a.is_contiguous() and torch.equal(a, b) for a, b in zip(out, flat))
+    views = [x, w, *out]
+    assert not any(torch._C._is_alias_of(a, b) for i, a in enumerate(views) for b in views[i + 1 :])
