@@ -39,13 +39,34 @@ def _unaliased(flat: list, inputs: tuple) -> list:
             tensors += lf.flatten_saved((i,))[0]
         elif isinstance(i, torch.Tensor):
             tensors.append(unwrap(i))  # dtq's weight wrapper: its data's storage
-    seen = {t.untyped_storage().data_ptr() for t in tensors}
+    seen = {_storage(t) for t in tensors}
+    if None in seen:  # fake tensors (tracing can run this body on them): no address, compare pairwise
+        return _unaliased_pairwise(flat, tensors)
     out = []
     for t in flat:
-        if t.untyped_storage().data_ptr() in seen:
+        if _storage(t) in seen:
             t = t.clone(memory_format=torch.contiguous_format)
         t = t.contiguous()  # the fake payloads are contiguous
-        seen.add(t.untyped_storage().data_ptr())
+        seen.add(_storage(t))
+        out.append(t)
+    return out
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage; None for a tensor without one (a fake tensor)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
+
+
+def _unaliased_pairwise(flat: list, tensors: list) -> list:
+    out, seen = [], []
+    for t in flat:
+        if any(torch._C._is_alias_of(t, i) for i in (*tensors, *seen)):
+            t = t.clone(memory_format=torch.contiguous_format)
+        t = t.contiguous()
+        seen.append(t)
         out.append(t)
     return out
 
@@ -181,51 +202,13 @@ def _linear_impl(
     and layout ``wkey`` (its ``QuantizedTensor`` dispatch takes it apart); ``wkey == 0``:
     ``weight`` is the weight. ``planned``: a plain call (:func:`plain_template`), run by its
     :class:`dtq.nn.linear_plan.LinearPlan` as eager runs it (the same saved fields)."""
-    return _forward(
-        x,
-        _weight(weight, w_fields, wkey),
-        bias,
-        x_amax,
-        handle,
-        key,
-        need_dgrad,
-        need_wgrad,
-        no_grad_trainable,
-        recompute_only,
-        planned,
-        fake=False,
-    )
+    w = _weight(weight, w_fields, wkey)
+    args = (bias, x_amax, handle, key, need_dgrad, need_wgrad, no_grad_trainable, recompute_only, planned)
+    return _forward(x, w, *args, fake=False)
 
 
-def _linear_fake(
-    x,
-    weight,
-    w_fields,
-    wkey,
-    bias,
-    x_amax,
-    handle,
-    key,
-    need_dgrad,
-    need_wgrad,
-    no_grad_trainable,
-    recompute_only,
-    planned,
-):
-    return _forward(
-        x,
-        _weight(weight, w_fields, wkey),
-        bias,
-        x_amax,
-        handle,
-        key,
-        need_dgrad,
-        need_wgrad,
-        no_grad_trainable,
-        recompute_only,
-        planned,
-        fake=True,
-    )
+def _linear_fake(x, weight, w_fields, wkey, *args):  # args: as _linear_impl's, from bias on
+    return _forward(x, _weight(weight, w_fields, wkey), *args, fake=True)
 
 
 def _linear_backward_impl(
