@@ -6,7 +6,7 @@
 // Axis amax pass (FP8 row-wise scaling): max|x| of every row ([M]) and/or every column ([K]) from
 // one read, for the fused kernel's kFp8Row slots, whose scales span more than one tile.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

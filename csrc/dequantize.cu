@@ -7,7 +7,7 @@
 // loads, 16- or 32-byte stores); unaligned or K % 8 != 0 tensors take a one-element-per-thread loop.
 // Hadamard columns take one thread per 16-row group and column.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

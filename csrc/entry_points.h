@@ -2,7 +2,7 @@
 // to Python by bindings.cpp (quantize_alloc.cpp calls some of them too).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <vector>
 

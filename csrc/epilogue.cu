@@ -5,7 +5,7 @@
 // which cost an NVFP4 layer more than its dequantization. Four elements per thread (16-byte loads)
 // when the pointers allow, else one. An fp32 result may overwrite the input in place.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

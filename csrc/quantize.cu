@@ -14,7 +14,7 @@
 // Tensor-wide amaxes (FP8 per-tensor, NVFP4 S_enc) and FP8 row-wise's per-row / per-column amax
 // vectors come from device pointers (amax.cu or the caller), so no host synchronization happens.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

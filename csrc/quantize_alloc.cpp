@@ -4,7 +4,8 @@
 // QuantizeLaunch) describes the outputs once per (quantizer, shape); each call then costs one
 // pybind crossing instead of several torch.empty calls and kernel wrappers (host time is the
 // bottleneck of small GEMMs).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <vector>
 

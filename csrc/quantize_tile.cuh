@@ -20,7 +20,7 @@
 // pairs are enumerated in DTQ_FAST_PAIRS; anything else takes the generic kernel in quantize.cu.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 

@@ -19,7 +19,7 @@
 // 16 bytes of every tensor when B is a multiple of that many elements and the pointers are
 // 16-byte aligned; otherwise one element per thread.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

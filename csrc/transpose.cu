@@ -10,7 +10,7 @@
 // 16-byte shared vectors and written as 8 x 16-byte stores.
 // Needs M % 16 == 0, K % 16 == 0 and 16-byte aligned pointers (the caller falls back otherwise).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

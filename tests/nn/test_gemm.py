@@ -187,11 +187,15 @@ def test_modules_take_native_path_on_gpu():
 def test_fprop_fast_accumulation_is_scaled_mm_with_fast_accum(grad):
     """An FP8 recipe's forward GEMM is ``torch._scaled_mm`` with ``use_fast_accum=True`` by default
     (TransformerEngine's and torchao's choice), bit for bit, planned (grad) or not; with
-    ``fprop_fast_accumulation=False`` the accurate one."""
-    lin = dtq.nn.Linear(K, N, bias=False, params_dtype=torch.bfloat16).cuda()
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+    ``fprop_fast_accumulation=False`` the accurate one. K = 4096 so that Hopper's fast accumulation
+    (partial sums in reduced precision) gives different bits from the accurate one: the test tells
+    the two modes apart instead of passing with either."""
+    k = 4096
+    lin = dtq.nn.Linear(k, N, bias=False, params_dtype=torch.bfloat16).cuda()
+    x = torch.randn(M, k, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
     q = dtq.Float8Quantizer()
     px, pw = q.quantize(x.detach()).payload("rowwise"), q.quantize(lin.weight.detach()).payload("rowwise")
+    outs = {}
     for fast in (True, False):
         with torch.set_grad_enabled(grad), dtq.autocast(dtq.Float8CurrentScaling(fprop_fast_accumulation=fast)):
             y = lin(x)
@@ -204,6 +208,8 @@ def test_fprop_fast_accumulation_is_scaled_mm_with_fast_accum(grad):
             use_fast_accum=fast,
         )
         assert torch.equal(y.detach(), want), fast
+        outs[fast] = y.detach()
+    assert not torch.equal(outs[True], outs[False])
 
 
 @pytest.mark.parametrize("q", ALL, ids=IDS)
