@@ -16,13 +16,13 @@ from dtq.tensor import QUANTIZED, QuantizedTensor
 from dtq.weights import local_tensor, unwrap
 
 
-def flatten_saved(objs, keep: tuple = ()) -> tuple[list, list]:
+def flatten_saved(objs, keep: tuple = (), share: bool = True) -> tuple[list, list]:
     """``objs`` as (plain tensors, specs): QuantizedTensors taken apart into their payload tensors
-    (each shared tensor once), so saved-tensor hooks (torch.autograd.graph.save_on_cpu, dtq's
+    (with ``share``, each shared tensor once), so saved-tensor hooks (torch.autograd.graph.save_on_cpu, dtq's
     offload) move payloads as payloads, at their quantized size, bit for bit. Objects in ``keep``
     (a quantized weight parameter, whose payloads an FSDP2 backward gather refills) stay objects.
     Fields go in sorted order, so the layout depends only on the formats, never on the order a
-    kernel or a reference filled them in."""
+    kernel or a reference filled them in; without ``share`` not on which fields are one tensor either."""
     flat, specs, index = [], [], {}
     for o in objs:
         if o is None:
@@ -39,7 +39,7 @@ def flatten_saved(objs, keep: tuple = ()) -> tuple[list, list]:
             for d, payload in payloads.items():
                 for k in sorted(payload):
                     v = payload[k]
-                    i = index.get(id(v))
+                    i = index.get(id(v)) if share else None
                     if i is None:  # identical directions share tensors: save once
                         i = index[id(v)] = len(flat)
                         flat.append(v)

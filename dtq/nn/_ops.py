@@ -14,6 +14,8 @@ recompute, the amax reduction, checkpoint regions) is looked up inside the op wh
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from dtq._bits import stored_amax
@@ -72,20 +74,56 @@ def _unaliased_pairwise(flat: list, tensors: list) -> list:
 
 
 _layouts: dict = {}
-_weight_keys: dict = {}  # a quantized weight's layout spec -> its key (interned; keys start at 1)
-_weight_specs: dict = {}
+_weight_keys: dict = {}  # a quantized weight's layout spec -> its key
+_weight_specs: dict = {}  # key -> spec
+
+
+def _layout_key(spec: tuple) -> int:
+    """The key of a quantized weight's layout, from its content: compiled graphs hold it as a
+    constant, and inductor's caches hand a graph to later processes, which must read the same
+    key as the same layout (a number handed out in the order layouts were seen could name another
+    layout there, or none). Nonzero (0: a plain weight), below 2**56 (an int64 in the op's schema)."""
+    digest = hashlib.sha256(repr(spec).encode()).digest()
+    return int.from_bytes(digest[:7], "big") or 1
 
 
 def _weight_fields(weight: QuantizedTensor) -> tuple[list[torch.Tensor], int]:
-    """A quantized weight as its payload tensors and the key of its layout (format, shape, fields)."""
-    flat, (spec,) = lf.flatten_saved((weight,))
-    key = _weight_keys.setdefault(spec, len(_weight_keys) + 1)
-    _weight_specs[key] = spec
+    """A quantized weight as its payload tensors, one per field, and the key of its layout (format,
+    shape, fields). Fields that are one tensor (identical directions) are listed once each: graphs
+    traced from a parameter share them, graphs that AOTAutograd rebuilds the weight in may not,
+    and the key must name one layout either way."""
+    flat, (spec,) = lf.flatten_saved((weight,), share=False)
+    key = _weight_keys.get(spec)
+    if key is None:
+        key = _weight_keys[spec] = _layout_key(spec)
+        if _weight_specs.setdefault(key, spec) != spec:
+            other = _weight_specs[key]
+            raise RuntimeError(f"dtq: two quantized weight layouts share the key {key}: {spec} and {other}")
     return flat, key
 
 
-def _weight(weight: torch.Tensor, w_fields: list[torch.Tensor], wkey: int) -> torch.Tensor:
-    return weight if wkey == 0 else lf.unflatten_saved(list(w_fields), [_weight_specs[wkey]])[0]
+def _weight(weight: torch.Tensor, w_fields: list[torch.Tensor], wkey: int, live=None) -> torch.Tensor:
+    """The weight an op was called with: ``weight`` itself (``wkey == 0``), or the quantized
+    weight of layout ``wkey`` made of ``w_fields``. ``live()``: the module's weight parameter now,
+    which says what a layout is when the graph was compiled by another process (inductor's
+    caches) and this one has not met it yet."""
+    if wkey == 0:
+        return weight
+    spec = _weight_specs.get(wkey)
+    if spec is None:
+        w = live() if live is not None else None
+        if isinstance(w, QuantizedTensor):
+            _weight_fields(w)
+        spec = _weight_specs.get(wkey)
+        if spec is None:
+            have = lf.flatten_saved((w,), share=False)[1][0] if isinstance(w, QuantizedTensor) else type(w).__name__
+            raise RuntimeError(
+                f"dtq: a compiled graph takes a quantized weight of layout key {wkey}, which neither "
+                f"this process nor the module's weight has (the weight now: {have}); the graph came "
+                "from inductor's cache of a run whose weights differ. Clear that cache (a fresh "
+                "TORCHINDUCTOR_CACHE_DIR) or compile after the weights are in their final format"
+            )
+    return lf.unflatten_saved(list(w_fields), [spec])[0]
 
 
 def _layout(key: int, need_dgrad: bool, need_wgrad: bool, x, weight, has_x_amax: bool) -> list:
@@ -202,7 +240,7 @@ def _linear_impl(
     and layout ``wkey`` (its ``QuantizedTensor`` dispatch takes it apart); ``wkey == 0``:
     ``weight`` is the weight. ``planned``: a plain call (:func:`plain_template`), run by its
     :class:`dtq.nn.linear_plan.LinearPlan` as eager runs it (the same saved fields)."""
-    w = _weight(weight, w_fields, wkey)
+    w = _weight(weight, w_fields, wkey, lambda: _module_slots(handle, key).live_weight())
     args = (bias, x_amax, handle, key, need_dgrad, need_wgrad, no_grad_trainable, recompute_only, planned)
     return _forward(x, w, *args, fake=False)
 
@@ -231,7 +269,7 @@ def _linear_backward_impl(
     """``[dx?, dw?, db?]`` (those asked for, in that order) of ``dtq::linear``; ``dy_amax``:
     max|dy|, computed in the graph for a planned call whose dy takes a tensor-wide amax."""
     slots = _module_slots(handle, key)
-    w = _weight(weight, w_fields, wkey)
+    w = _weight(weight, w_fields, wkey, slots.live_weight)
     if planned:
         # the forward ran this shape's plan, so it exists (or builds again: the same layout)
         plan = shape_plan(slots.call(need_dgrad, need_wgrad), torch.Size(x_shape), x_dtype, dy.device, w)
@@ -314,15 +352,16 @@ def _backward(ctx, grads):
 
 
 def _dequantize_weight_impl(
-    weight: torch.Tensor, w_fields: list[torch.Tensor], wkey: int, dtype: torch.dtype
+    weight: torch.Tensor, w_fields: list[torch.Tensor], wkey: int, dtype: torch.dtype, handle: GemmHandle, gemm: int
 ) -> torch.Tensor:
     """A quantized weight in high precision (a GEMM outside dtq.autocast), as eager's
-    ``DequantizeWeight`` computes it; its gradient passes to the parameter unchanged."""
-    out = _weight(weight, w_fields, wkey).dequantize(dtype)
+    ``DequantizeWeight`` computes it; its gradient passes to the parameter unchanged. ``handle``
+    and ``gemm``: whose weight it is (what its layout is, in a graph another process compiled)."""
+    out = _weight(weight, w_fields, wkey, lambda: handle.weight(gemm)).dequantize(dtype)
     return out.clone() if any(torch._C._is_alias_of(out, f) for f in w_fields) else out
 
 
-def _dequantize_weight_fake(weight, w_fields, wkey, dtype):
+def _dequantize_weight_fake(weight, w_fields, wkey, dtype, handle, gemm):
     return torch.empty(_weight(weight, w_fields, wkey).shape, dtype=dtype, device=w_fields[0].device)
 
 
@@ -331,7 +370,7 @@ def _dequantize_setup(ctx, inputs, output):
 
 
 def _dequantize_grad(ctx, grad):
-    return grad, [], None, None
+    return grad, [], None, None, None, None
 
 
 linear_backward = define("linear_backward", _linear_backward_impl, _linear_backward_fake)

@@ -280,6 +280,11 @@ class GemmHandle(OpaqueBase):
             raise RuntimeError("dtq: a compiled graph called a dtq module that no longer exists")
         return module._slots(recipe, gemm)
 
+    def weight(self, gemm: int) -> torch.Tensor | None:
+        """The module's weight parameter of GEMM ``gemm`` as it is now (None once the module is gone)."""
+        module = self._module()
+        return None if module is None else getattr(module, module.weight_names()[gemm], None)
+
 
 register_opaque_type(GemmHandle, typ="reference")
 

@@ -280,7 +280,7 @@ class QuantizedModule(torch.nn.Module):
         if recipe is None and spec is None:
             state.recipe = None
             if isinstance(weight, QuantizedTensor):  # e.g. FSDP2's gather without a recipe (identity)
-                weight = _ops.dequantize_weight(weight, [], 0, x.dtype)
+                weight = _ops.dequantize_weight(weight, [], 0, x.dtype, self._gemm_handle, gemm)
             return self._high_precision_linear(x, weight, bias, None, None)
         return torch.compiler.disable(self._linear_eager)(x, weight, bias, gemm, x_amax, None)  # graph break
 
