@@ -21,6 +21,7 @@ import torch
 from dtq._bits import stored_amax
 from dtq._library import define
 from dtq._torch_private import in_backward
+from dtq.formats import COLUMNWISE, ROWWISE
 from dtq.nn import _linear_fn as lf
 from dtq.nn.gemm_state import GemmCall, GemmHandle, GemmSlots, template
 from dtq.nn.linear_plan import LinearPlan, shape_plan
@@ -185,12 +186,24 @@ def _plan(call: GemmCall, x: torch.Tensor, weight) -> LinearPlan | None:
 
 
 def _forward(
-    x, weight, bias, x_amax, handle, key, need_dgrad, need_wgrad, no_grad_trainable, recompute_only, planned, fake: bool
+    x,
+    weight,
+    bias,
+    x_amax,
+    x_payloads,
+    handle,
+    key,
+    need_dgrad,
+    need_wgrad,
+    no_grad_trainable,
+    recompute_only,
+    planned,
+    fake: bool,
 ) -> list:
     if fake:
         call = GemmCall(template(key), need_dgrad, need_wgrad)
         if planned and (plan := _plan(call, x, weight)) is not None:
-            y, saved = plan.empty_forward(x)
+            y, saved = plan.empty_forward(x, x_given=bool(x_payloads))
             return [y, *saved]
         y, sx, sw = lf.linear_forward(call, x, weight, bias, x_amax, quantize=lf.fake_quantize, gemm=lf.fake_mm)
     else:
@@ -212,7 +225,7 @@ def _forward(
                 )
             plan = _plan(slots.call(need_dgrad, need_wgrad), x, weight)
             if plan is not None:  # (None: a shape no plan takes; the general path raises its message)
-                y, saved = plan.forward(x, weight, bias, x_amax, share=False)
+                y, saved = plan.forward(x, weight, bias, x_amax, share=False, x_payloads=x_payloads or None)
                 return [y, *_unaliased(saved, (x, weight, bias, x_amax))]
         call = GemmCall(slots, need_dgrad, need_wgrad, replay=replay, amax_sync=sync)
         y, sx, sw = lf.linear_forward(call, x, weight, bias, x_amax)
@@ -227,6 +240,7 @@ def _linear_impl(
     wkey: int,
     bias: torch.Tensor | None,
     x_amax: torch.Tensor | None,
+    x_payloads: list[torch.Tensor],
     handle: GemmHandle,
     key: int,
     need_dgrad: bool,
@@ -239,9 +253,11 @@ def _linear_impl(
     template ``key``. A quantized weight parameter arrives as its payload tensors ``w_fields``
     and layout ``wkey`` (its ``QuantizedTensor`` dispatch takes it apart); ``wkey == 0``:
     ``weight`` is the weight. ``planned``: a plain call (:func:`plain_template`), run by its
-    :class:`dtq.nn.linear_plan.LinearPlan` as eager runs it (the same saved fields)."""
+    :class:`dtq.nn.linear_plan.LinearPlan` as eager runs it (the same saved fields);
+    ``x_payloads``: x quantized by :func:`quantize_input` for a planned call (else empty), whose
+    saved fields backward then takes from these inputs."""
     w = _weight(weight, w_fields, wkey, lambda: _module_slots(handle, key).live_weight())
-    args = (bias, x_amax, handle, key, need_dgrad, need_wgrad, no_grad_trainable, recompute_only, planned)
+    args = (bias, x_amax, x_payloads, handle, key, need_dgrad, need_wgrad, no_grad_trainable, recompute_only, planned)
     return _forward(x, w, *args, fake=False)
 
 
@@ -322,7 +338,7 @@ def _linear_backward_fake(
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, _, _, bias, x_amax, handle, key, need_dgrad, need_wgrad, _, _, planned = inputs
+    x, weight, _, _, bias, x_amax, x_payloads, handle, key, need_dgrad, need_wgrad, _, _, planned = inputs
     ctx.args = (
         handle,
         key,
@@ -334,7 +350,12 @@ def _setup_context(ctx, inputs, output):
         x_amax is not None,
         planned,
     )
-    ctx.save_for_backward(weight, *output[1:])
+    x_saved = []
+    if x_payloads:  # x's saved fields are inputs (quantize_input's outputs), not outputs
+        plan = _plan(GemmCall(template(key), need_dgrad, need_wgrad), x, weight)
+        x_saved = [x_payloads[i] for i in plan.x_saved]
+    ctx.n_x_payloads = len(x_payloads)
+    ctx.save_for_backward(weight, *x_saved, *output[1:])
 
 
 def _backward(ctx, grads):
@@ -348,7 +369,52 @@ def _backward(ctx, grads):
     dx = next(out) if need_dgrad else None
     dw = next(out) if need_wgrad else None
     db = next(out) if need_bgrad else None
-    return dx, dw, [], None, db, None, None, None, None, None, None, None, None  # w_fields: always [] here
+    # w_fields: always [] here; x_payloads: no gradient (quantized codes)
+    none_x = [None] * ctx.n_x_payloads
+    return dx, dw, [], None, db, None, none_x, None, None, None, None, None, None, None
+
+
+def _input_plan(
+    x: torch.Tensor, key: int, need_dgrad: bool, need_wgrad: bool, out_features: int, w_dtype: torch.dtype
+) -> LinearPlan:
+    """The plan of a planned call of template ``key`` on ``x`` whose weight is ``[out_features,
+    x.shape[-1]]`` of ``w_dtype``: its input quantization is the module's (the weight's kind
+    changes only the weight's side)."""
+    w = torch.empty((out_features, x.shape[-1]), dtype=w_dtype, device="meta")
+    call = GemmCall(template(key), need_dgrad, need_wgrad)
+    # (None: a shape the formats refuse; building the plan again raises their message)
+    return _plan(call, x, w) or LinearPlan(call, x.shape, x.dtype, x.device, w)
+
+
+def _quantize_input_impl(
+    x: torch.Tensor,
+    x_amax: torch.Tensor | None,
+    key: int,
+    need_dgrad: bool,
+    need_wgrad: bool,
+    out_features: int,
+    w_dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """x quantized as a planned call of template ``key`` quantizes its input (``LinearPlan.x_layout``'s
+    distinct tensors), for ``dtq::linear``'s ``x_payloads``. Its arguments name no module, so the
+    calls of GEMMs that read one x the same way (q, k and v; gate and up) are identical, and
+    AOTAutograd's common-subexpression pass runs one of them: x is quantized once, and backward
+    keeps one copy of its columnwise codes, as eager's ``_LastInput`` does."""
+    plan = _input_plan(x, key, need_dgrad, need_wgrad, out_features, w_dtype)
+    return _unaliased(plan.quantize_input(x, x_amax), (x, x_amax))
+
+
+def _quantize_input_fake(x, x_amax, key, need_dgrad, need_wgrad, out_features, w_dtype):
+    return _input_plan(x, key, need_dgrad, need_wgrad, out_features, w_dtype).empty_input(x)
+
+
+@torch._dynamo.assume_constant_result
+def quantizes_input_apart(key: int) -> bool:
+    """Whether a planned compiled call of template ``key`` quantizes its input with
+    :func:`quantize_input` (merged between GEMMs that read one x): not where the input format
+    rounds stochastically (each GEMM then draws its own bits)."""
+    q = template(key).sx.quantizer
+    return not any(q.codec(d).uses_rng() for d in (ROWWISE, COLUMNWISE))
 
 
 def _dequantize_weight_impl(
@@ -375,6 +441,7 @@ def _dequantize_grad(ctx, grad):
 
 linear_backward = define("linear_backward", _linear_backward_impl, _linear_backward_fake)
 linear = define("linear", _linear_impl, _linear_fake, backward=_backward, setup_context=_setup_context)
+quantize_input = define("quantize_input", _quantize_input_impl, _quantize_input_fake)
 dequantize_weight = define(
     "dequantize_weight",
     _dequantize_weight_impl,

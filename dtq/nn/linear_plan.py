@@ -63,6 +63,8 @@ class LinearPlan:
         "w_quantizer",
         "x_fields",
         "w_fields",
+        "x_layout",
+        "x_saved",
         "fprop",
         "dgrad",
         "wgrad",
@@ -92,8 +94,15 @@ class LinearPlan:
         # the compiled path's fake implementation and backward read them too)
         meta = torch.device("meta")
         self.x_fields = self.w_fields = ()
+        ex = self.qx.empty(self.x2d, meta, x_dtype)
         if call.need_wgrad:
-            self.x_fields = _saved_fields(self.qx.empty(self.x2d, meta, x_dtype)[COLUMNWISE])
+            self.x_fields = _saved_fields(ex[COLUMNWISE])
+        # x's payloads as a list of distinct tensors (the compiled path's dtq::quantize_input):
+        # (direction, field, index) per field, directions' shared tensors listed once
+        self.x_layout, self.x_saved = _tensor_layout(ex), ()
+        if call.need_wgrad:
+            where = {(d, k): i for d, k, i in self.x_layout}
+            self.x_saved = tuple(where[COLUMNWISE, k] for k in self.x_fields)
         if self.qw is not None and call.need_dgrad:
             self.w_fields = _saved_fields(self.qw.empty(self.w2d, meta, wl.dtype)[COLUMNWISE])
         self.fprop = self.dgrad = self.wgrad = None
@@ -122,15 +131,22 @@ class LinearPlan:
         bias: torch.Tensor | None,
         x_amax: torch.Tensor | None,
         share: bool = True,
+        x_payloads: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``(y, tensors to save)`` as ``linear_forward`` computes them (``x_amax``: max|x|, if its
         producer computed it). ``share``: take x's payloads from the previous call that quantized
-        x the same way (:class:`_LastInput`); a custom op's outputs may not be shared (False)."""
-        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if share:
+        x the same way (:class:`_LastInput`); a custom op's outputs may not be shared (False).
+        ``x_payloads``: x quantized already (:meth:`quantize_input`); the tensors to save are then
+        the weight's only (x's are ``x_payloads[i] for i in x_saved``)."""
+        if x_payloads is not None:
+            px: dict = {}
+            for d, k, i in self.x_layout:
+                px.setdefault(d, {})[k] = x_payloads[i]
+        elif share:
+            x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
             px = _input_payloads(self.qx, x, x2, self.call.slots.sx, x_amax)
         else:
-            px = _run(self.qx, x2, self.call.slots.sx, x_amax)
+            px = _run(self.qx, x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), self.call.slots.sx, x_amax)
         pw = {ROWWISE: wl.payload(ROWWISE)} if self.quantized_weight else _run(self.qw, as_2d(wl, self.w_quantizer))
         if self.fprop is None:
             self._bind_forward(px, pw, x, wl, bias)
@@ -141,16 +157,37 @@ class LinearPlan:
             y = y.to(x.dtype)
         if x.dim() != 2 or y._is_view() or not y.is_contiguous():
             y = _unsafe_view(y.contiguous(), self.out_shape)
-        saved = [px[COLUMNWISE][k] for k in self.x_fields]
+        saved = [px[COLUMNWISE][k] for k in self.x_fields] if x_payloads is None else []
         if self.w_fields:
             saved += [pw[COLUMNWISE][k] for k in self.w_fields]
         return y, saved
 
-    def empty_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """What :meth:`forward` returns, empty (the compiled path's fake implementation)."""
+    def quantize_input(self, x: torch.Tensor, x_amax: torch.Tensor | None) -> list[torch.Tensor]:
+        """x's payloads as :meth:`forward` computes them, as the list ``x_layout`` describes: what
+        the compiled path quantizes once for every GEMM that reads x (an op whose identical calls
+        AOTAutograd merges)."""
+        px = _run(self.qx, x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), self.call.slots.sx, x_amax)
+        out: list[torch.Tensor] = []
+        for d, k, i in self.x_layout:
+            if i == len(out):
+                out.append(px[d][k])
+        return out
+
+    def empty_input(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """What :meth:`quantize_input` returns, empty."""
+        ex = self.qx.empty(self.x2d, x.device, self.x_dtype)
+        out: list[torch.Tensor] = []
+        for d, k, i in self.x_layout:
+            if i == len(out):
+                out.append(ex[d][k])
+        return out
+
+    def empty_forward(self, x: torch.Tensor, x_given: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """What :meth:`forward` returns, empty (the compiled path's fake implementation);
+        ``x_given``: for a call given ``x_payloads``."""
         dev = x.device
         saved = []
-        if self.x_fields:
+        if self.x_fields and not x_given:
             px = self.qx.empty(self.x2d, dev, self.x_dtype)[COLUMNWISE]
             saved += [px[k] for k in self.x_fields]
         if self.w_fields:
@@ -224,6 +261,14 @@ def _meta_operand(q, direction: str, shape2d, dtype, device, transpose: bool = F
     enough for :func:`dtq.gemm.transposed_reads` to choose its path before any value exists."""
     payload = q.codec(direction).empty(shape2d, torch.device("meta"), dtype)
     return _operand(q, {direction: payload}, direction, shape2d, dtype, device, transpose)
+
+
+def _tensor_layout(payloads: dict) -> tuple[tuple[str, str, int], ...]:
+    """``(direction, field, i)`` for every field of ``payloads`` (directions in order, fields
+    sorted), ``i`` numbering distinct tensors in order of first appearance: directions that share a
+    tensor (identical directions, rowwise codes beside transposed ones) share its number."""
+    index: dict = {}
+    return tuple((d, k, index.setdefault(id(p[k]), len(index))) for d, p in payloads.items() for k in sorted(p))
 
 
 def _saved_fields(payload: dict) -> tuple[str, ...]:

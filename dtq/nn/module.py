@@ -259,8 +259,15 @@ class QuantizedModule(torch.nn.Module):
             # amax, that is computed here, in the graph, so that inductor fuses the reduction into
             # the kernel producing x (on x's stored values: exactly the amax eager computes).
             planned = _ops.plain_template(key) and active_amax_sync() is None
+            need_dgrad, need_wgrad = grad and x.requires_grad, grad and weight.requires_grad
             if planned and x_amax is None and x.numel() and _ops.takes_tensor_amax(key, "input"):
                 x_amax = stored_amax(x.detach())
+            x_payloads = []
+            if planned and x.dim() >= 2 and x.numel() and _ops.quantizes_input_apart(key):
+                # an op of its own, which names no module: GEMMs reading this x merge it (one quantization)
+                x_payloads = _ops.quantize_input(
+                    x.detach(), x_amax, key, need_dgrad, need_wgrad, weight.shape[0], weight.dtype
+                )
             outs = _ops.linear(
                 x,
                 weight,
@@ -268,10 +275,11 @@ class QuantizedModule(torch.nn.Module):
                 0,
                 bias,
                 x_amax,
+                x_payloads,
                 self._gemm_handle,
                 key,
-                grad and x.requires_grad,
-                grad and weight.requires_grad,
+                need_dgrad,
+                need_wgrad,
                 no_grad_trainable,
                 recompute_only,
                 planned,
