@@ -17,7 +17,7 @@ python3 -m pytest -q -rfE -p no:cacheprovider tests/kernels/test_kernels.py test
   tests/tensor/test_inplace.py tests/formats/test_float8_rowwise.py tests/formats/test_nvfp4_options.py \
   tests/parallel/test_recompute_matrix.py tests/parallel/test_correctness_regressions.py \
   tests/nn/test_linear_plan.py tests/nn/test_host_path.py tests/nn/test_compile.py tests/nn/test_size_rule.py \
-  tests/kernels/test_transposed_codes.py \
+  tests/kernels/test_transposed_codes.py tests/nn/test_compile_fullgraph.py tests/nn/test_compile_cache.py \
   > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc=$? after $(( $(date +%s) - start )) s"
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -15

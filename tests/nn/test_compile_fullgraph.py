@@ -213,6 +213,24 @@ def test_recipe_change_recompiles_and_uses_the_new_recipe():
         assert len(paths) == (0 if recipe is None else 1)  # the compiled call's fprop GEMM ran
 
 
+def test_autocast_off_recompiles_a_quantized_parameter_model():
+    """``dtq.autocast(recipe, enabled=False)`` around a compiled model whose weights are quantized
+    (and whose recipe ``dtq.convert`` bound) computes in high precision from the dequantized
+    weights, as eager does, and switching back runs the recipe again: the autocast state is a
+    guard. (Seen failing under torch 2.11 on a GPU machine: the recipe's graph ran with autocast
+    off; torch 2.13 recompiles.)"""
+    r = dtq.Float8CurrentScaling()
+    torch.manual_seed(0)
+    model = dtq.convert(
+        torch.nn.Sequential(torch.nn.Linear(H, 2 * H), torch.nn.Linear(2 * H, H)), recipe=r, quantized_params=True
+    )
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(32, H)
+    for enabled in (True, False, True):
+        with dtq.autocast(r, enabled=enabled):
+            assert torch.equal(compiled(x), model(x)), enabled
+
+
 def _wrapped_step(model, x, recipe, seed, wrap):
     torch.manual_seed(seed)
     x = x.detach().clone().requires_grad_()
