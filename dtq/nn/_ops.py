@@ -353,7 +353,7 @@ def _setup_context(ctx, inputs, output):
     x_saved = []
     if x_payloads:  # x's saved fields are inputs (quantize_input's outputs), not outputs
         plan = _plan(GemmCall(template(key), need_dgrad, need_wgrad), x, weight)
-        x_saved = [x_payloads[i] for i in plan.x_saved]
+        x_saved = [x_payloads[i] for i in plan.x_saved] if plan is not None else []
     ctx.n_x_payloads = len(x_payloads)
     ctx.save_for_backward(weight, *x_saved, *output[1:])
 

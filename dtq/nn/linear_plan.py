@@ -167,20 +167,11 @@ class LinearPlan:
         the compiled path quantizes once for every GEMM that reads x (an op whose identical calls
         AOTAutograd merges)."""
         px = _run(self.qx, x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), self.call.slots.sx, x_amax)
-        out: list[torch.Tensor] = []
-        for d, k, i in self.x_layout:
-            if i == len(out):
-                out.append(px[d][k])
-        return out
+        return _distinct(px, self.x_layout)
 
     def empty_input(self, x: torch.Tensor) -> list[torch.Tensor]:
         """What :meth:`quantize_input` returns, empty."""
-        ex = self.qx.empty(self.x2d, x.device, self.x_dtype)
-        out: list[torch.Tensor] = []
-        for d, k, i in self.x_layout:
-            if i == len(out):
-                out.append(ex[d][k])
-        return out
+        return _distinct(self.qx.empty(self.x2d, x.device, self.x_dtype), self.x_layout)
 
     def empty_forward(self, x: torch.Tensor, x_given: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """What :meth:`forward` returns, empty (the compiled path's fake implementation);
@@ -269,6 +260,15 @@ def _tensor_layout(payloads: dict) -> tuple[tuple[str, str, int], ...]:
     tensor (identical directions, rowwise codes beside transposed ones) share its number."""
     index: dict = {}
     return tuple((d, k, index.setdefault(id(p[k]), len(index))) for d, p in payloads.items() for k in sorted(p))
+
+
+def _distinct(payloads: dict, layout: tuple) -> list[torch.Tensor]:
+    """The distinct tensors of ``payloads``, in ``layout``'s numbering (:func:`_tensor_layout`)."""
+    out: list[torch.Tensor] = []
+    for d, k, i in layout:
+        if i == len(out):
+            out.append(payloads[d][k])
+    return out
 
 
 def _saved_fields(payload: dict) -> tuple[str, ...]:
