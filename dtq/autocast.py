@@ -76,13 +76,6 @@ def autocast_active() -> bool:
     return bool(_stack())
 
 
-def recipe_or(default: Recipe | None) -> Recipe | None:
-    """The innermost ``dtq.autocast``'s recipe (None inside ``autocast(enabled=False)``), or
-    ``default`` where no autocast is active (a recipe bound by ``dtq.convert(model, recipe=...)``)."""
-    stack = _stack()
-    return stack[-1][0] if stack else default
-
-
 def active_amax_sync() -> AmaxSync | None:
     """The :class:`dtq.distributed.amax.AmaxSync` of the innermost ``autocast(amax_group=...)``, or None."""
     stack = _stack()

@@ -21,7 +21,7 @@ from torch._opaque_base import OpaqueBase
 
 from dtq._torch_private import GatherContext, checkpoint_region, in_backward, inside_checkpoint_forward, local_tensor
 from dtq._warn import warn_once
-from dtq.autocast import active_amax_sync, active_recipe, autocast_active, recipe_or
+from dtq.autocast import active_amax_sync, active_recipe, autocast_active
 from dtq.distributed.gather import GatherPlan
 from dtq.distributed.tp import TPSpec
 from dtq.formats import COLUMNWISE, DIRECTIONS, ROWWISE, IdentityQuantizer, Quantizer
@@ -158,8 +158,12 @@ class GemmState:
             return None
         if replay:
             return active_recipe() or self.recipe
-        recipe = recipe_or(self.default_recipe)
-        if recipe is None and weight is not None and not autocast_active() and not torch.compiler.is_compiling():
+        # The bound default is read only where no autocast is active: a compiled trace that met one
+        # recipe object both there and on the autocast stack guarded only the first place under
+        # torch 2.11, so switching autocast off (or to another recipe) did not recompile.
+        active = autocast_active()
+        recipe = active_recipe() if active else self.default_recipe
+        if recipe is None and weight is not None and not active and not torch.compiler.is_compiling():
             _warn_without_recipe(self._owner_name() if name is None else name, weight)
         return recipe
 
