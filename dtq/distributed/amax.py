@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from dtq import _torch_private
 from dtq.codec import DIRECTIONS, ROWWISE
+from dtq.distributed import collective
 
 if TYPE_CHECKING:
     from dtq.formats import Quantizer
@@ -77,7 +78,7 @@ def all_reduce_max(tensors: Sequence[torch.Tensor], group) -> list[torch.Tensor]
         return []
     flat = torch.cat([t.reshape(-1).float() for t in tensors])
     if dist.get_world_size(group) > 1:
-        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+        collective.run(dist.all_reduce, flat, op=dist.ReduceOp.MAX, group=group)
     return unflatten(flat, tensors)
 
 

@@ -24,7 +24,7 @@ from dtq.codec import (
     split_derived,
 )
 from dtq.distributed import amax as amax_lib
-from dtq.distributed import comm
+from dtq.distributed import collective, comm
 
 if TYPE_CHECKING:
     from dtq.formats import Quantizer
@@ -34,7 +34,7 @@ def _all_gather_rows(t: torch.Tensor, group) -> torch.Tensor:
     world = dist.get_world_size(group)
     flat = t.contiguous().view(torch.uint8)  # any dtype travels as bytes (gloo has no float8)
     out = [torch.empty_like(flat) for _ in range(world)]
-    dist.all_gather(out, flat, group=group)
+    collective.run(dist.all_gather, out, flat, group=group)
     return torch.cat(out).view(t.dtype)
 
 
@@ -60,7 +60,7 @@ def reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
             f"{world} ranks along dim 0; use a sequence length divisible by the TP size"
         )
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter(out, x.contiguous(), group=group)
+    collective.run(_reduce_scatter, out, x.contiguous(), group=group)
     return out
 
 
@@ -70,7 +70,7 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous().clone()
-    dist.all_reduce(x, group=group)
+    collective.run(dist.all_reduce, x, group=group)
     return x
 
 
