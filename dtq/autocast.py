@@ -73,7 +73,7 @@ def active_recipe() -> Recipe | None:
 
 def autocast_active() -> bool:
     """Whether any ``dtq.autocast`` region (enabled or not) is open on this thread."""
-    return bool(_stack())
+    return len(_stack()) > 0  # (torch 2.11's dynamo cannot trace bool() of a list: a graph break)
 
 
 def active_amax_sync() -> AmaxSync | None:

@@ -9,13 +9,15 @@ dropped its reference: when a script ended right after (a backward whose last st
 tensor-parallel all-reduce, say), the worker met a finalizing interpreter and the process
 aborted ("terminate called without an active exception", about one exit in five on two CPU
 ranks). Keeping the last work here until the next collective (or until the interpreter clears
-this module) leaves the worker nothing to free.
+this module) leaves the worker nothing to free. Only CPU collectives (gloo's) are kept: a CUDA
+one's buffers (an activation's gradient, say) would otherwise stay allocated until the next.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 _last_work: list[dist.Work] = []  # the latest collective's work, freed by the next call
@@ -23,9 +25,19 @@ _last_work: list[dist.Work] = []  # the latest collective's work, freed by the n
 
 def run(collective: Callable[..., dist.Work | None], *args, **kwargs) -> None:
     """``collective(*args, **kwargs)`` (a ``torch.distributed`` function), waited for as the
-    blocking call would be, its work kept until dtq's next collective."""
+    blocking call would be; a CPU collective's work is kept until dtq's next collective."""
     work = collective(*args, async_op=True, **kwargs)
     if work is None:  # this rank is not in the group: nothing was issued
         return
     work.wait()
-    _last_work[:] = [work]
+    if _first_tensor(args).device.type == "cpu":
+        _last_work[:] = [work]
+
+
+def _first_tensor(args: tuple) -> torch.Tensor:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+        if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+            return a[0]
+    raise TypeError("dtq.distributed.collective.run: the collective takes no tensor")
