@@ -30,14 +30,16 @@ def run(collective: Callable[..., dist.Work | None], *args, **kwargs) -> None:
     if work is None:  # this rank is not in the group: nothing was issued
         return
     work.wait()
-    if _first_tensor(args).device.type == "cpu":
+    if _on_cpu(args):
         _last_work[:] = [work]
 
 
-def _first_tensor(args: tuple) -> torch.Tensor:
+def _on_cpu(args: tuple) -> bool:
+    """Whether the collective's first tensor argument (or first tensor of a list argument) is on
+    the CPU."""
     for a in args:
+        if isinstance(a, (list, tuple)) and a:
+            a = a[0]
         if isinstance(a, torch.Tensor):
-            return a
-        if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
-            return a[0]
-    raise TypeError("dtq.distributed.collective.run: the collective takes no tensor")
+            return a.device.type == "cpu"
+    return False
