@@ -7,6 +7,7 @@ ratios to BF16 and to torchao.
     python bench/bench_e2e.py --hidden 1024 --layers 8 --seq 2048
     python bench/bench_e2e.py --recipes fp8 mxfp8 --no-eager --out bench/results/e2e.json
     python bench/bench_e2e.py --hidden 1024 --layers 8 --seq 2048 --size-rule   # + dtq.SizeRule rows
+    python bench/bench_e2e.py --hidden 2048 --recipes fp8 --gaps 15   # + where each variant's GPU idles
     python bench/bench_e2e.py --smoke                           # tiny, any device: the script runs
 
 Each layer: RMSNorm, q/k/v/o ``nn.Linear`` (head dim 128), causal SDPA, residual, RMSNorm, SwiGLU
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_layers import recipes  # noqa: E402
@@ -108,11 +110,13 @@ def prepare(build, recipe, x, args, device):
     opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
 
     def step():
-        with dtq.autocast(recipe, enabled=recipe is not None):
+        with record_function("forward"), dtq.autocast(recipe, enabled=recipe is not None):
             loss = model(x).float().square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with record_function("backward"):
+            loss.backward()
+        with record_function("optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
     for _ in range(args.warmup):
         step()
@@ -146,6 +150,8 @@ def time_variant(build, recipe, x, args, device) -> dict:
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
     if args.profile:
         print_kernels(step, device, args.profile)
+    if args.gaps and device.type == "cuda":
+        print_gaps(step, args.gaps)
     return {"ms": statistics.median(samples), "peak_gib": peak}
 
 
@@ -170,6 +176,8 @@ def time_interleaved(variants: dict, x, args, device) -> dict:
     for name in steps:
         rows[name]["ms"] = statistics.median(rows[name].pop("samples"))
         print(f"  {name}: {rows[name]}", flush=True)
+        if args.gaps and device.type == "cuda":
+            print_gaps(steps[name], args.gaps)
     return rows
 
 
@@ -191,6 +199,69 @@ def print_kernels(step, device, top: int) -> None:
     for e in events[:top]:
         t = e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total
         print(f"    {t / 2e3:8.3f} {e.count / 2:6.0f}  {e.key[:110]}")
+
+
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def idle_gaps(trace: dict, top: int) -> tuple[float, list[dict]]:
+    """From a torch.profiler chrome trace: the GPU's idle time (µs, summed over the gaps between
+    device activities, any stream) and the ``top`` largest gaps. Each gap names the step phase
+    (``record_function``) and the host ops (outermost first) that launched the activity ending it,
+    and ``late_us``: how long after the GPU went idle the host launched it (positive: the host fell
+    behind; negative: launched in time, the wait is a dependency or a synchronisation)."""
+    events = trace["traceEvents"]
+    device = sorted((e for e in events if e.get("cat") in _DEVICE_CATS and e.get("ph") == "X"), key=lambda e: e["ts"])
+    launches = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
+    host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation") and e.get("ph") == "X"]
+    gaps, idle, end = [], 0.0, None
+    for e in device:
+        if end is not None and e["ts"] > end:
+            idle += e["ts"] - end
+            gaps.append((e["ts"] - end, end, e))
+        end = max(end or e["ts"], e["ts"] + e["dur"])
+    gaps.sort(key=lambda g: -g[0])
+    out = []
+    for length, start, e in gaps[:top]:
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        row = {"gap_us": length, "next": e["name"][:60], "phase": "?", "ops": [], "late_us": None}
+        if launch is not None:
+            t = launch["ts"]
+            row["late_us"] = t - start
+            around = [h for h in host if h["tid"] == launch["tid"] and h["ts"] <= t <= h["ts"] + h["dur"]]
+            around.sort(key=lambda h: -h["dur"])  # outermost first
+            phases = [h["name"] for h in around if h.get("cat") == "user_annotation"]
+            row["phase"] = phases[0] if phases else "?"
+            row["ops"] = [h["name"] for h in around if h.get("cat") == "cpu_op"]
+        out.append(row)
+    return idle, out
+
+
+def print_gaps(step, top: int, steps: int = 2) -> None:
+    """Where the GPU idles in ``steps`` steps: the idle time per step and the ``top`` largest gaps
+    (see :func:`idle_gaps`)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.loads(Path(f.name).read_text())
+    idle, gaps = idle_gaps(trace, top)
+    print(f"    GPU idle {idle / steps / 1e3:.2f} ms per step (profiled); largest gaps (us, host late by us):")
+    for g in gaps:
+        late = "-" if g["late_us"] is None else f"{g['late_us']:.0f}"
+        ops = " > ".join(g["ops"][-3:])
+        print(f"    {g['gap_us']:8.1f} {late:>7s}  {g['phase']:9s} {ops[:90]}  -> {g['next']}")
 
 
 def commit() -> str:
@@ -244,6 +315,14 @@ def main() -> None:
     )
     p.add_argument(
         "--profile", type=int, default=0, metavar="N", help="also print each variant's N most expensive GPU kernels"
+    )
+    p.add_argument(
+        "--gaps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also print where the GPU idles in each variant's steps: its N largest gaps and what the host was "
+        "doing (CUDA only)",
     )
     p.add_argument(
         "--size-rule",
