@@ -7,8 +7,8 @@ reference frees them, and freeing Python-owned objects takes the GIL. Under torc
 blocking collective returns as soon as the work is done, often before gloo's worker thread has
 dropped its reference: when a script ended right after (a backward whose last step was a
 tensor-parallel all-reduce, say), the worker met a finalizing interpreter and the process
-aborted ("terminate called without an active exception", about one exit in five on two CPU
-ranks). Keeping the last work here until the next collective (or until the interpreter clears
+aborted ("terminate called without an active exception", in about one two-rank CPU run in
+four). Keeping the last work here until the next collective (or until the interpreter clears
 this module) leaves the worker nothing to free. Only CPU collectives (gloo's) are kept: a CUDA
 one's buffers (an activation's gradient, say) would otherwise stay allocated until the next.
 """

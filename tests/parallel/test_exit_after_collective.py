@@ -54,7 +54,8 @@ def _one_job(script: str) -> list[subprocess.CompletedProcess]:
                 [sys.executable, script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
             )
         )
-    return [subprocess.CompletedProcess(p.args, p.wait(timeout=300), p.stdout.read()) for p in procs]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    return [subprocess.CompletedProcess(p.args, p.returncode, out) for p, out in zip(procs, outs)]
 
 
 def test_ranks_exit_cleanly_right_after_a_tensor_parallel_backward(tmp_path):
