@@ -8,30 +8,35 @@ blocking collective returns as soon as the work is done, often before gloo's wor
 dropped its reference: when a script ended right after (a backward whose last step was a
 tensor-parallel all-reduce, say), the worker met a finalizing interpreter and the process
 aborted ("terminate called without an active exception", in about one two-rank CPU run in
-four). Keeping the last work here until the next collective (or until the interpreter clears
-this module) leaves the worker nothing to free. Only CPU collectives (gloo's) are kept: a CUDA
-one's buffers (an activation's gradient, say) would otherwise stay allocated until the next.
+four). Keeping the latest works here (until later collectives replace them, or the interpreter
+clears this module) leaves the worker nothing to free. Several are kept, not one: gloo runs two
+worker threads, so a later collective can finish on one while the other, descheduled, still holds
+an earlier work (keeping only the last still aborted about one run in ten on a loaded machine).
+Only CPU collectives (gloo's) are kept: a CUDA one's buffers (an activation's gradient, say) would
+otherwise stay allocated until later.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-_last_work: list[dist.Work] = []  # the latest collective's work, freed by the next call
+_KEPT = 16
+_recent: collections.deque = collections.deque(maxlen=_KEPT)  # the latest CPU collectives' works
 
 
 def run(collective: Callable[..., dist.Work | None], *args, **kwargs) -> None:
     """``collective(*args, **kwargs)`` (a ``torch.distributed`` function), waited for as the
-    blocking call would be; a CPU collective's work is kept until dtq's next collective."""
+    blocking call would be; a CPU collective's work is kept until ``_KEPT`` later ones replace it."""
     work = collective(*args, async_op=True, **kwargs)
     if work is None:  # this rank is not in the group: nothing was issued
         return
     work.wait()
     if _on_cpu(args):
-        _last_work[:] = [work]
+        _recent.append(work)
 
 
 def _on_cpu(args: tuple) -> bool:
