@@ -184,3 +184,22 @@ def checkpoint_region():
             return frame.f_locals.get("ctx")
         frame = frame.f_back
     return None
+
+
+try:  # torch 2.15 renamed the base of opaque types (the old module logs a deprecation on import)
+    from torch._custom_class_base import CustomClassBase as OpaqueBase  # noqa: F401 - for dtq.nn.gemm_state
+except ImportError:
+    from torch._opaque_base import OpaqueBase  # noqa: F401 - for dtq.nn.gemm_state
+
+
+def register_opaque_reference(cls: type) -> None:
+    """Register ``cls`` (an ``OpaqueBase`` subclass) as an opaque type that torch.compile passes to
+    custom ops as a graph input, not as a constant baked into the graph. torch 2.15 renamed the
+    call and the kind (``register_custom_class``, ``"symbolic"``); its old names still work there
+    but log two deprecation warnings at every ``import dtq``."""
+    from torch._library import opaque_object
+
+    if hasattr(opaque_object, "register_custom_class"):
+        opaque_object.register_custom_class(cls, typ="symbolic")
+    else:
+        opaque_object.register_opaque_type(cls, typ="reference")

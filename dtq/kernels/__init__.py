@@ -51,8 +51,10 @@ SOURCES = (
     "epilogue.cu",
     "quantize_alloc.cpp",
 )
-# fp32 arithmetic must stay exactly the references': no FMA contraction, no fast math.
-CUDA_FLAGS = ("-O3", "-fmad=false", "-gencode=arch=compute_90,code=[sm_90,compute_90]", "-std=c++17")
+# fp32 arithmetic must stay exactly the references': no FMA contraction, no fast math. No -std:
+# torch's extension builder adds the standard its headers need (C++17 up to torch 2.12, C++20 from
+# 2.13; torch 2.15's headers do not compile as C++17).
+CUDA_FLAGS = ("-O3", "-fmad=false", "-gencode=arch=compute_90,code=[sm_90,compute_90]")
 
 _lock = threading.Lock()
 _ext = None
@@ -165,7 +167,7 @@ def _load(verbose: bool = False):
     return load(
         name="dtq_kernels",
         sources=[str(CSRC / s) for s in SOURCES],
-        extra_cflags=["-O3", "-std=c++17"],
+        extra_cflags=["-O3"],
         extra_cuda_cflags=list(CUDA_FLAGS),
         build_directory=str(d),
         verbose=verbose,

@@ -16,10 +16,16 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-from torch._library.opaque_object import register_opaque_type
-from torch._opaque_base import OpaqueBase
 
-from dtq._torch_private import GatherContext, checkpoint_region, in_backward, inside_checkpoint_forward, local_tensor
+from dtq._torch_private import (
+    GatherContext,
+    OpaqueBase,
+    checkpoint_region,
+    in_backward,
+    inside_checkpoint_forward,
+    local_tensor,
+    register_opaque_reference,
+)
 from dtq._warn import warn_once
 from dtq.autocast import active_amax_sync, active_recipe, autocast_active
 from dtq.distributed.gather import GatherPlan
@@ -290,7 +296,7 @@ class GemmHandle(OpaqueBase):
         return None if module is None else getattr(module, module.weight_names()[gemm], None)
 
 
-register_opaque_type(GemmHandle, typ="reference")
+register_opaque_reference(GemmHandle)
 
 
 def _detached_handle() -> GemmHandle:

@@ -44,6 +44,9 @@ def _compile(cmd: list[str]) -> tuple[str, int, str]:
 # kernels for: the BF16 one is compiled here (the heaviest sources of the set; CI time), the GPU
 # build compiles all three.
 _SAME_AS_BF16 = {"quantize_fast_f16.cu", "quantize_fast_f32.cu"}
+# The standard torch's extension builder compiles with from torch 2.13 on (the real build passes no
+# -std of its own and takes torch's; torch 2.15's headers need C++20).
+_STD = "-std=c++20"
 
 
 def test_every_source_compiles(tmp_path):
@@ -63,6 +66,7 @@ def test_every_source_compiles(tmp_path):
                     *inc,
                     *cpp.COMMON_NVCC_FLAGS,
                     *kernels.CUDA_FLAGS,
+                    _STD,
                     "--fdevice-syntax-only",
                     "-Xcompiler",
                     "-fsyntax-only",
@@ -74,7 +78,7 @@ def test_every_source_compiles(tmp_path):
             cxx = shutil.which("c++") or shutil.which("g++")
             if cxx is None:  # the bindings need a host compiler; the .cu files are the point here
                 continue
-            jobs.append([cxx, "-fsyntax-only", *inc, "-std=c++17", "-w", "-DTORCH_EXTENSION_NAME=dtq_kernels", path])
+            jobs.append([cxx, "-fsyntax-only", *inc, _STD, "-w", "-DTORCH_EXTENSION_NAME=dtq_kernels", path])
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(_compile, jobs))
     failed = [(src, errors) for src, rc, errors in results if rc != 0]
