@@ -52,8 +52,8 @@ SOURCES = (
     "quantize_alloc.cpp",
 )
 # fp32 arithmetic must stay exactly the references': no FMA contraction, no fast math. No -std:
-# torch's extension builder adds the standard its headers need (C++17 up to torch 2.12, C++20 from
-# 2.13; torch 2.15's headers do not compile as C++17).
+# torch's extension builder adds the standard its headers need (C++17 on torch 2.11, C++20 on 2.13
+# and later; torch 2.15's headers do not compile as C++17).
 CUDA_FLAGS = ("-O3", "-fmad=false", "-gencode=arch=compute_90,code=[sm_90,compute_90]")
 
 _lock = threading.Lock()
