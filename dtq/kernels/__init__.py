@@ -55,6 +55,7 @@ SOURCES = (
 # torch's extension builder adds the standard its headers need (C++17 on torch 2.11, C++20 on 2.13
 # and later; torch 2.15's headers do not compile as C++17).
 CUDA_FLAGS = ("-O3", "-fmad=false", "-gencode=arch=compute_90,code=[sm_90,compute_90]")
+CXX_FLAGS = ("-O3",)
 
 _lock = threading.Lock()
 _ext = None
@@ -167,7 +168,7 @@ def _load(verbose: bool = False):
     return load(
         name="dtq_kernels",
         sources=[str(CSRC / s) for s in SOURCES],
-        extra_cflags=["-O3"],
+        extra_cflags=list(CXX_FLAGS),
         extra_cuda_cflags=list(CUDA_FLAGS),
         build_directory=str(d),
         verbose=verbose,

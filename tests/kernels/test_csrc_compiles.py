@@ -3,7 +3,7 @@ a source that no longer compiles would make every GPU run fall back to the refer
 warning), so CI checks it wherever ``nvcc`` exists: host code to the end of the host compiler's
 semantic checks (``-fsyntax-only``: no object code), device code to the end of nvcc's front end
 (``--fdevice-syntax-only``: types, templates and overloads are checked, no PTX is generated),
-with the flags of the real build (``dtq.kernels.CUDA_FLAGS`` and torch's extension flags). The
+with the flags of the real build (``dtq.kernels.CUDA_FLAGS`` / ``CXX_FLAGS`` and torch's extension flags). The
 bits are the GPU tests' business (tests/kernels/test_kernels.py)."""
 
 from __future__ import annotations
@@ -20,10 +20,17 @@ import torch.utils.cpp_extension as cpp
 from dtq import kernels
 
 NVCC = shutil.which("nvcc")
-pytestmark = pytest.mark.skipif(
+needs_nvcc = pytest.mark.skipif(
     NVCC is None or torch.version.cuda is not None,
     reason="needs nvcc and a CPU build of torch (with CUDA torch the GPU tests build the kernels for real)",
 )
+
+
+def test_the_build_leaves_the_cxx_standard_to_torch():
+    """dtq's build flags name no C++ standard: torch's extension builder adds the one its headers
+    need. A -std=c++17 of dtq's own kept the kernels from building under torch 2.15, whose headers
+    need C++20 (every GPU run there would have fallen back to the references)."""
+    assert not [f for f in (*kernels.CUDA_FLAGS, *kernels.CXX_FLAGS) if f.startswith("-std")]
 
 
 def _includes(tmp_path) -> list[str]:
@@ -49,6 +56,7 @@ _SAME_AS_BF16 = {"quantize_fast_f16.cu", "quantize_fast_f32.cu"}
 _STD = "-std=c++20"
 
 
+@needs_nvcc
 def test_every_source_compiles(tmp_path):
     inc = _includes(tmp_path)
     jobs = []
