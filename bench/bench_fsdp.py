@@ -8,7 +8,12 @@ Llama-style model (attention + SwiGLU blocks, AdamW) per parameter mode, in one 
 * ``dtq hybrid (quantized params)``: MXFP8 rowwise / NVFP4 columnwise parameters;
 * ``torchao float8``: tensorwise float8 with FP8 all-gather and precomputed scales.
 
+A mode ending in `` compiled`` compiles each block (``torch.compile(block)``) before
+``fully_shard``, as torchtitan does. ``--preset 1b`` takes the shapes of
+``launch/configs/llama1b.toml`` (16 layers, hidden 2048, FFN 8192, 4 x 2048 tokens per rank).
+
     torchrun --nproc-per-node 4 bench/bench_fsdp.py --out bench/results/fsdp_h200x4.json
+    torchrun --nproc-per-node 2 bench/bench_fsdp.py --preset 1b --modes "$(python bench/bench_fsdp.py --compiled-modes)"
 
 Bytes are counted at the collectives (every all-gather output and reduce-scatter input FSDP2
 issues, per rank: ``dtq.launch.metrics.CollectiveBytes``), so every mode is measured the same way.
@@ -52,7 +57,22 @@ class Block(torch.nn.Module):
         return x + self.fc2(F.silu(a) * g)
 
 
+MODES = ("bf16", "dtq fp8 (hp shards)", "dtq fp8 (quantized params)", "dtq hybrid (quantized params)", "torchao float8")
+# The issue-16 row: BF16 and dtq FP8 eager and compiled against torchao float8 compiled.
+COMPILED_MODES = (
+    "bf16",
+    "bf16 compiled",
+    "torchao float8 compiled",
+    "dtq fp8 (hp shards)",
+    "dtq fp8 (hp shards) compiled",
+    "dtq fp8 (quantized params) compiled",
+)
+PRESETS = {"1b": {"layers": 16, "hidden": 2048, "heads": 16, "ffn": 8192, "batch": 4, "seq": 2048}}
+
+
 def build(args, mode: str):
+    compiled = mode.endswith(" compiled")
+    mode = mode.removesuffix(" compiled")
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = torch.nn.Sequential(*[Block(args.hidden, args.heads, args.ffn) for _ in range(args.layers)])
@@ -70,7 +90,9 @@ def build(args, mode: str):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
-    for block in model:
+    for i, block in enumerate(model):
+        if compiled:
+            block = model[i] = torch.compile(block)
         fully_shard(block)
     fully_shard(model)
     if "quantized params" in mode:
@@ -81,6 +103,7 @@ def build(args, mode: str):
 
 
 def after_step(model, mode: str) -> None:
+    mode = mode.removesuffix(" compiled")
     if mode == "torchao float8":
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
@@ -98,12 +121,16 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument(
-        "--modes",
-        default="bf16,dtq fp8 (hp shards),dtq fp8 (quantized params),dtq hybrid (quantized params),torchao float8",
-    )
+    p.add_argument("--preset", choices=sorted(PRESETS), help="shapes of a trainer config (overrides the above)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated; a mode + ' compiled' compiles each block")
+    p.add_argument("--compiled-modes", action="store_true", help="print the eager-vs-compiled mode list and exit")
     p.add_argument("--out", default="")
     args = p.parse_args()
+    if args.compiled_modes:
+        print(",".join(COMPILED_MODES))
+        return
+    for k, v in PRESETS.get(args.preset, {}).items():
+        setattr(args, k, v)
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))

@@ -5,12 +5,22 @@
 #
 #   E2E="--hidden 2048 --recipes fp8 mxfp8" TRAIN="bf16 fp8" COMPILE="false true" bash bench/speed_round.sh
 #   E2E= TRAIN="bf16 fp8" bash bench/speed_round.sh             # trainer only
+#   E2E= FSDP="--preset 1b" NPROC=2 bash bench/speed_round.sh   # bench_fsdp.py's eager-vs-compiled modes
+# The kernel library comes back as $OUT/dtq_kernels.so + csrc.sum: carry them in .kcache/ to skip
+# the next lease's build (bench/device_env.sh).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 export DTQ_COMMIT=${DTQ_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 start=$(date +%s)
 python3 -m dtq.kernels build > "$OUT/build.log" 2>&1 || { echo "kernel build failed:"; tail -30 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
+keep_kernels
+if [[ -n "${FSDP-}" ]]; then
+  torchrun --standalone --nproc-per-node "${NPROC:-2}" bench/bench_fsdp.py \
+    --modes "$(python3 bench/bench_fsdp.py --compiled-modes)" $FSDP --out "$OUT/fsdp.json" > "$OUT/fsdp.txt" 2>&1
+  echo "fsdp rc=$?"; grep -E "ms/step|step .*x|Error" "$OUT/fsdp.txt" | tail -20
+  echo "fsdp done after $(( $(date +%s) - start )) s"
+fi
 if [[ -n "${E2E-"--hidden 2048"}" ]]; then
   python3 bench/bench_e2e.py ${E2E-"--hidden 2048"} --out "$OUT/e2e.json" > "$OUT/e2e.txt" 2>&1
   grep -v "^W1\|^  \|codecache\|Traceback\|self.dump\|TypeError" "$OUT/e2e.txt" | tail -30

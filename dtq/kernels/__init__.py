@@ -8,6 +8,8 @@ everything runs the references. Nothing here compiles at import time.
 Build: ``torch.utils.cpp_extension.load`` (ninja) into ``$DTQ_KERNEL_BUILD_DIR`` or
 ``~/.cache/dtq/kernels/<python-torch-cuda>``, saying so on stderr when it compiles (about a minute);
 ``python -m dtq.kernels build`` (``dtq/kernels/__main__.py``) does it ahead of time.
+``$DTQ_KERNEL_LIBRARY`` names a library built elsewhere (same Python, torch and CUDA): it is
+imported as it is, with no build step, for machines without ``nvcc`` or time to build.
 
 Formats reach the kernels only through ``Codec.kernel_spec`` (one :class:`KernelSpec` per
 direction): the fused kernel reads the input once and writes up to two directions' payloads.
@@ -154,7 +156,29 @@ def disabled() -> bool:
     return os.environ.get(_DISABLE_VAR, "").strip().lower() not in ("", "0", "false", "no")
 
 
+_LIBRARY_VAR = "DTQ_KERNEL_LIBRARY"
+
+
+def _import_library(path: str):
+    """Import a prebuilt ``dtq_kernels`` library from ``path``: no sources, no compiler, no ninja."""
+    import importlib.util
+
+    file = Path(path)
+    if not file.is_file():
+        raise RuntimeError(
+            f"{_LIBRARY_VAR}={path}: no such file; name a dtq_kernels*.so built by "
+            f"`python -m dtq.kernels build` for this Python, torch and CUDA, or unset it to build here"
+        )
+    spec = importlib.util.spec_from_file_location("dtq_kernels", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _load(verbose: bool = False):
+    prebuilt = os.environ.get(_LIBRARY_VAR)
+    if prebuilt:
+        return _import_library(prebuilt)
     from torch.utils.cpp_extension import load
 
     missing = [s for s in SOURCES if not (CSRC / s).is_file()]
@@ -178,6 +202,8 @@ def _load(verbose: bool = False):
 def _needs_build() -> bool:
     """Whether loading will compile: no library in the build directory yet, or one older than a
     source (torch's loader then rebuilds)."""
+    if os.environ.get(_LIBRARY_VAR):
+        return False
     built = [p.stat().st_mtime for p in build_dir().glob("dtq_kernels*.so")]
     sources = [p.stat().st_mtime for p in CSRC.glob("*") if p.suffix in (".cu", ".cuh", ".cpp", ".h")]
     return not built or max(built) < max(sources, default=0.0)

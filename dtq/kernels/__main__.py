@@ -5,6 +5,7 @@ has already imported ``dtq.kernels`` by the time runpy would run it as ``__main_
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -17,7 +18,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("command", choices=["build", "info"])
     args = p.parse_args(argv)
     if args.command == "info":
-        print(f"build dir: {kernels.build_dir()}\ndisabled: {kernels.disabled()}\ntorch CUDA: {torch.version.cuda}")
+        prebuilt = os.environ.get("DTQ_KERNEL_LIBRARY") or "unset (build here)"
+        print(
+            f"build dir: {kernels.build_dir()}\nDTQ_KERNEL_LIBRARY: {prebuilt}\ndisabled: {kernels.disabled()}\n"
+            f"torch CUDA: {torch.version.cuda}"
+        )
         return 0
     if torch.version.cuda is None:
         print("this torch has no CUDA support: nothing to build", file=sys.stderr)

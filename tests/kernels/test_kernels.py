@@ -334,6 +334,29 @@ def test_cpu_loader_reports_unavailable_and_quantize_works(monkeypatch):
     assert torch.equal(kernels.transposed(codes).view(torch.uint8), codes.view(torch.uint8).t().contiguous())
 
 
+def test_a_prebuilt_library_is_imported_without_a_build(monkeypatch, tmp_path):
+    """DTQ_KERNEL_LIBRARY names the library to import: nothing compiles (torch's loader is never
+    reached), a missing file is an error naming the variable, and unset the build runs as before."""
+    import torch.utils.cpp_extension as cpp
+
+    def no_build(*a, **k):
+        raise AssertionError("a prebuilt library must not be built")
+
+    monkeypatch.setattr(cpp, "load", no_build)
+    lib = tmp_path / "dtq_kernels.py"  # any importable file stands in for the .so
+    lib.write_text("MARK = 'prebuilt'\n")
+    monkeypatch.setenv("DTQ_KERNEL_LIBRARY", str(lib))
+    assert not kernels._needs_build()
+    assert kernels._load().MARK == "prebuilt"
+    monkeypatch.setenv("DTQ_KERNEL_LIBRARY", str(tmp_path / "missing.so"))
+    with pytest.raises(RuntimeError, match=r"DTQ_KERNEL_LIBRARY=.*missing\.so: no such file"):
+        kernels._load()
+    monkeypatch.delenv("DTQ_KERNEL_LIBRARY")
+    if torch.version.cuda is not None:  # a CUDA torch: unset, the loader builds (here: refused)
+        with pytest.raises(AssertionError, match="must not be built"):
+            kernels._load()
+
+
 def test_kernel_specs_describe_reference_payloads():
     """Each codec's kernel spec names the reference payload's fields, shapes and dtypes, in order."""
     x = torch.randn(64, 128)
