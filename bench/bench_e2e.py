@@ -123,17 +123,22 @@ def prepare(build, recipe, x, args, device):
     return step
 
 
-def sample(step, args, device) -> list[float]:
-    """``--iters`` timings (ms per step) of ``--inner`` back-to-back steps each."""
+def sample(step, args, device, host: list | None = None) -> list[float]:
+    """``--iters`` timings (ms per step) of ``--inner`` back-to-back steps each; ``host`` collects
+    the host's time per step to issue them (CUDA: a host time near the step time means the step is
+    host-bound; well below it, the host ran ahead and waited only at the end)."""
     samples = []
     for _ in range(args.iters):
         if device.type == "cuda":
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
             start.record()
             for _ in range(args.inner):
                 step()
             end.record()
+            if host is not None:
+                host.append((time.perf_counter() - t0) * 1e3 / args.inner)
             end.synchronize()
             samples.append(start.elapsed_time(end) / args.inner)
         else:
@@ -146,13 +151,17 @@ def sample(step, args, device) -> list[float]:
 
 def time_variant(build, recipe, x, args, device) -> dict:
     step = prepare(build, recipe, x, args, device)
-    samples = sample(step, args, device)
+    host: list[float] = []
+    samples = sample(step, args, device, host)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
     if args.profile:
         print_kernels(step, device, args.profile)
     if args.gaps and device.type == "cuda":
         print_gaps(step, args.gaps)
-    return {"ms": statistics.median(samples), "peak_gib": peak}
+    row = {"ms": statistics.median(samples), "peak_gib": peak}
+    if host:
+        row["host_ms"] = statistics.median(host)
+    return row
 
 
 def time_interleaved(variants: dict, x, args, device) -> dict:
@@ -212,10 +221,10 @@ def idle_gaps(trace: dict, top: int) -> tuple[float, list[dict]]:
     behind; negative: launched in time, the wait is a dependency or a synchronisation)."""
     events = trace["traceEvents"]
     device = sorted((e for e in events if e.get("cat") in _DEVICE_CATS and e.get("ph") == "X"), key=lambda e: e["ts"])
-    launches = {
+    launches = {  # runtime launches, and the driver's (inductor's Triton kernels launch through it)
         e["args"]["correlation"]: e
         for e in events
-        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
     }
     host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation") and e.get("ph") == "X"]
     gaps, idle, end = [], 0.0, None
@@ -386,7 +395,7 @@ def main() -> None:
         print(f"\nhidden {hidden}, {layers} layers, {tokens} tokens/step")
         print(
             f"{'variant':40s} {'ms/step':>8s} {'tok/s':>10s} {'vs bf16':>8s} {'vs bf16 c':>9s} {'vs ao tw':>8s} "
-            f"{'GiB':>6s}"
+            f"{'GiB':>6s} {'host ms':>7s}"
         )
         for name, r in rows.items():
             results.append({"hidden": hidden, "layers": layers, "tokens": tokens, "variant": name, **r})
@@ -400,7 +409,8 @@ def main() -> None:
 
             print(
                 f"{name:40s} {ms:8.2f} {tokens / ms * 1e3:10.0f} {ratio(ref):>8s} {ratio(ref_c):>9s} "
-                f"{ratio(ao) if name.startswith('dtq') else '':>8s} {r['peak_gib']:6.1f}"
+                f"{ratio(ao) if name.startswith('dtq') else '':>8s} {r['peak_gib']:6.1f} "
+                f"{r['host_ms'] if 'host_ms' in r else float('nan'):7.2f}"
             )
             results[-1].update({"tokens_per_s": tokens / ms * 1e3, "vs_bf16": ref / ms if ref else None})
     if args.out:
