@@ -79,13 +79,22 @@ class Stack(torch.nn.Module):
         return self.norm(x)
 
 
-def compile_blocks(model: Stack) -> Stack:
+def compile_blocks(model: Stack, mode: str | None = None) -> Stack:
     for i, block in enumerate(model.blocks):
-        model.blocks[i] = torch.compile(block)
+        model.blocks[i] = torch.compile(block, mode=mode)
     return model
 
 
-def torchao_variants(base: Stack) -> dict:
+CUDAGRAPHS = "reduce-overhead"  # --cudagraphs: the same variants, each block under CUDA graphs
+
+
+def graphed(model: Stack) -> Stack:
+    """Mark a model whose blocks run under CUDA graphs: its step starts a new cudagraph-trees step."""
+    model.cudagraphs = True
+    return model
+
+
+def torchao_variants(base: Stack, mode: str | None = None) -> dict:
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as e:
@@ -96,8 +105,9 @@ def torchao_variants(base: Stack) -> dict:
         ("tensorwise", Float8LinearConfig()),
         ("rowwise", Float8LinearConfig.from_recipe_name("rowwise")),
     ):
-        out[f"torchao float8 {label} compiled"] = (
-            lambda cfg=cfg: compile_blocks(convert_to_float8_training(copy.deepcopy(base), config=cfg)),
+        suffix = ", cudagraphs" if mode == CUDAGRAPHS else ""
+        out[f"torchao float8 {label} compiled{suffix}"] = (
+            lambda cfg=cfg: compile_blocks(convert_to_float8_training(copy.deepcopy(base), config=cfg), mode),
             None,
         )
     return out
@@ -109,7 +119,11 @@ def prepare(build, recipe, x, args, device):
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
 
+    graphs = getattr(model, "cudagraphs", False)
+
     def step():
+        if graphs:  # a new iteration: cudagraph trees may reuse the last step's output buffers
+            torch.compiler.cudagraph_mark_step_begin()
         with record_function("forward"), dtq.autocast(recipe, enabled=recipe is not None):
             loss = model(x).float().square().mean()
         with record_function("backward"):
@@ -313,6 +327,12 @@ def main() -> None:
     p.add_argument("--no-eager", action="store_true", help="skip the eager dtq rows")
     p.add_argument("--no-compile", action="store_true", help="skip every compiled row")
     p.add_argument("--no-torchao", action="store_true")
+    p.add_argument(
+        "--cudagraphs",
+        action="store_true",
+        help="also BF16, torchao tensorwise and every dtq recipe with each block compiled under CUDA graphs "
+        "(mode='reduce-overhead'; dtq recipes that cannot run there fail in their row)",
+    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--inner", type=int, default=5)
@@ -365,6 +385,20 @@ def main() -> None:
             variants["bf16 compiled"] = (lambda: compile_blocks(copy.deepcopy(base)), None)
             if not args.no_torchao and device.type == "cuda":
                 variants.update(torchao_variants(base))
+        if args.cudagraphs and device.type == "cuda":
+            variants["bf16 compiled, cudagraphs"] = (
+                lambda: graphed(compile_blocks(copy.deepcopy(base), CUDAGRAPHS)),
+                None,
+            )
+            if not args.no_torchao:
+                for name, (build, _) in torchao_variants(base, CUDAGRAPHS).items():
+                    if "tensorwise" in name:
+                        variants[name] = (lambda build=build: graphed(build()), None)
+            for name, recipe in chosen.items():
+                variants[f"dtq {name} compiled, cudagraphs"] = (
+                    lambda: graphed(compile_blocks(dtq.convert(copy.deepcopy(base)), CUDAGRAPHS)),
+                    recipe,
+                )
         for name, recipe in chosen.items():
             if not args.no_eager:
                 variants[f"dtq {name} eager"] = (lambda: dtq.convert(copy.deepcopy(base)), recipe)

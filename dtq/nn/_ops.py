@@ -19,7 +19,7 @@ import hashlib
 import torch
 
 from dtq._bits import stored_amax
-from dtq._library import define
+from dtq._library import define, forward_op
 from dtq._torch_private import in_backward
 from dtq.formats import COLUMNWISE, ROWWISE
 from dtq.nn import _linear_fn as lf
@@ -450,7 +450,12 @@ dequantize_weight = define(
     setup_context=_dequantize_setup,
 )
 
-_WEIGHT_ARG = {linear: 1, linear_backward: 2, dequantize_weight: 0}
+# (a public op and the op its graphs call take the weight at the same place)
+_WEIGHT_ARG = {
+    op: i
+    for public, i in ((linear, 1), (linear_backward, 2), (dequantize_weight, 0))
+    for op in {public, forward_op(public)}
+}
 
 
 @implements(list(_WEIGHT_ARG))

@@ -140,7 +140,7 @@ def test_compiled_plain_calls_run_their_plans_with_amaxes_from_the_graph(recipe)
     linears = [m for m in model.modules() if isinstance(m, dtq.nn.Linear)]
     assert [bool(m._slots(r, 0).plans) for m in linears] == [planned] * 4
     fw, bw = graphs
-    ops = {fw: (torch.ops.dtq.linear.default, 5), bw: (torch.ops.dtq.linear_backward.default, 14)}
+    ops = {fw: (torch.ops.dtq.linear_fw.default, 5), bw: (torch.ops.dtq.linear_backward.default, 14)}
     for g, (op, amax_arg) in ops.items():
         calls = [n for n in g.graph.nodes if n.target is op]
         assert len(calls) == 4
