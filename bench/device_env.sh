@@ -12,7 +12,8 @@ fi
 # built from the same csrc/) is imported instead of built (DTQ_KERNEL_LIBRARY): a build costs 2-3
 # minutes of every fresh lease. keep_kernels, after a build, puts the library (stripped and
 # compressed: the device tool returns files of at most 16 MiB) and the sum into $OUT.
-_csrc_sum=$(cat csrc/* | sha256sum | cut -c1-16)
+_csrc_sum=$(find csrc -maxdepth 1 -type f \( -name '*.cu' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.h' \) \
+  | LC_ALL=C sort | xargs cat | sha256sum | cut -c1-16)
 if [[ -f .kcache/dtq_kernels.so.xz && ! -f .kcache/dtq_kernels.so ]]; then
   xz -dk .kcache/dtq_kernels.so.xz
 fi
