@@ -1,0 +1,77 @@
+"""Whether each variant's compiled blocks really run under CUDA graphs (``mode="reduce-overhead"``):
+inductor skips them silently for a graph it cannot capture (logged only under
+``TORCH_LOGS=perf_hints``). Prints inductor's cudagraph counters and the host time per step (a
+replayed graph costs almost none).
+
+    TORCH_LOGS=perf_hints python bench/probe_cudagraphs.py --hidden 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch._dynamo.utils import counters
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_e2e import Stack, compile_blocks  # noqa: E402
+
+import dtq  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=2048)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    base = Stack(args.hidden, args.layers, 128, torch.bfloat16, torch.device("cuda"))
+    x = torch.randn(1, args.tokens, args.hidden, dtype=torch.bfloat16, device="cuda")
+    variants = {
+        "bf16": (lambda: copy.deepcopy(base), None),
+        "dtq fp8": (lambda: dtq.convert(copy.deepcopy(base)), dtq.Float8CurrentScaling()),
+        "dtq fp8, plain weights": (lambda: plain_weights(dtq.convert(copy.deepcopy(base))), dtq.Float8CurrentScaling()),
+    }
+    for name, (build, recipe) in variants.items():
+        torch._dynamo.reset()
+        counters.clear()
+        model = compile_blocks(build(), "reduce-overhead")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+        def step(model=model, opt=opt, recipe=recipe):
+            torch.compiler.cudagraph_mark_step_begin()
+            with dtq.autocast(recipe, enabled=recipe is not None):
+                loss = model(x).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(4):
+            step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            step()
+        host = (time.perf_counter() - t0) / 10 * 1e3
+        torch.cuda.synchronize()
+        inductor = {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}
+        print(f"{name:24s} host {host:6.2f} ms/step  cudagraph counters {inductor}", flush=True)
+
+
+def plain_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """The dtq Linears' weights as plain parameters (no HighPrecisionWeight wrapper)."""
+    from dtq.weights import unwrap
+
+    for m in model.modules():
+        if isinstance(m, dtq.nn.Linear):
+            m.weight = torch.nn.Parameter(unwrap(m.weight.data).clone())
+    return model
+
+
+if __name__ == "__main__":
+    main()
