@@ -5,6 +5,7 @@ about 1.5x slower, so read the rows relative to each other).
 
     python bench/host_step.py                                   # bf16 / fp8, eager and compiled
     python bench/host_step.py --variants fp8_compiled --profile 40
+    python bench/host_step.py --variants fp8_eager --recipe "hybrid mxfp8/nvfp4" --profile 40  # fp8_*: any dtq recipe
 
 At the step sizes of ``bench_e2e.py`` (16,384 tokens) a variant whose host time here comes near
 its GPU time there is partly host-bound.
@@ -36,13 +37,17 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile's N top functions of dtq variants")
+    p.add_argument("--recipe", default="fp8", help="the dtq variants' recipe, a name of bench_layers.recipes()")
+    p.add_argument("--sort", default="tottime", choices=["tottime", "cumulative"], help="the profile's order")
     args = p.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     head_dim = 128 if args.hidden >= 1024 else 64
     torch.manual_seed(0)
     base = Stack(args.hidden, args.layers, head_dim, torch.bfloat16, dev)
     x = torch.randn(1, args.tokens, args.hidden, dtype=torch.bfloat16, device=dev)
-    recipe = dtq.Float8CurrentScaling()
+    from bench_layers import recipes
+
+    recipe = recipes()[args.recipe]
     for variant in args.variants:
         torch._dynamo.reset()
         bf16 = variant.startswith("bf16")
@@ -76,7 +81,7 @@ def main() -> None:
                     step()
                 sync()
                 prof.disable()
-            stats = pstats.Stats(prof).sort_stats("tottime")
+            stats = pstats.Stats(prof).sort_stats(args.sort)
             print(f"    {'self ms':>8s} {'cum ms':>8s} {'calls':>6s}  function (per step)")
             for func in stats.fcn_list[: args.profile]:
                 _, nc, tt, ct, _ = stats.stats[func]
