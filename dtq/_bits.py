@@ -79,10 +79,13 @@ def per_tensor_scale(amax: torch.Tensor, fmax: float, pow2: bool) -> torch.Tenso
     """``fmax / amax`` in fp32, 1 where amax is 0 or non-finite, capped at the fp32 max (a tiny
     amax would otherwise give +inf), optionally rounded down to a power of two."""
     amax = amax.to(torch.float32)
-    ok = torch.isfinite(amax) & (amax > 0)
+    # Six small kernels, not eight: the emulated GEMMs compute this per operand per call, where each
+    # launch is host time. NaN and +inf become 0, and every amax not above 0 divides fmax by itself
+    # (exactly 1), so the one division gives every case's bits.
+    finite = torch.nan_to_num(amax, nan=0.0, posinf=0.0)
+    divisor = torch.where(finite > 0, finite, fmax)
     # new_full: a fill on amax's device (torch.tensor(fmax, device=...) would be a blocking copy)
-    scale = torch.where(ok, amax.new_full((), fmax) / amax, torch.ones_like(amax))
-    scale = torch.clamp(scale, max=FLT_MAX)
+    scale = torch.clamp(amax.new_full((), fmax) / divisor, max=FLT_MAX)
     if pow2:
         scale = round_down_pow2(scale)
     return scale

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import dtq
+from dtq._bits import FLT_MAX
 from tests.formats._golden import E4, E5, INF, NAN, assert_f32, assert_fp8, codes, f32, fp32
 
 
@@ -116,6 +117,21 @@ def test_float8_nonfinite_explicit_amax_scale_one(bad):
     p = dtq.Float8Quantizer().quantize(x, amax=torch.tensor(bad)).payload("rowwise")
     assert_fp8(p["data"], E4, codes([[0x38, 0xC0, 0x44]]))
     assert_f32(p["scale_inv"], fp32(1.0))
+
+
+@pytest.mark.parametrize("amax", [-0.0, -1.0, 2.0**-149, 1e-37, 2.0**-110], ids=str)
+def test_float8_scale_from_edge_amaxes(amax):
+    """The scale for an explicit amax: not above 0 -> 1; positive -> 448 / amax rounded once to
+    fp32 (an fp64 quotient rounded to fp32 is that: 53 >= 2 * 24 + 2 bits), capped at the fp32
+    max where the quotient overflows (448 / 2^-149 and 448 / 1e-37). scale_inv = 1 / scale."""
+    q = dtq.Float8Quantizer()
+    p = q.quantize(torch.tensor([[0.0, 0.0]]), amax=torch.tensor(amax)).payload("rowwise")
+    if amax <= 0:
+        scale = 1.0
+    else:
+        quotient = 448.0 / amax
+        scale = float(torch.tensor(quotient, dtype=torch.float64).float()) if quotient < 3.4e38 else FLT_MAX
+    assert_f32(p["scale_inv"], fp32(float(torch.tensor(1.0) / torch.tensor(scale))))
 
 
 def test_float8_nan_input():
