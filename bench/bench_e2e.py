@@ -139,8 +139,9 @@ def prepare(build, recipe, x, args, device):
 
 def sample(step, args, device, host: list | None = None) -> list[float]:
     """``--iters`` timings (ms per step) of ``--inner`` back-to-back steps each; ``host`` collects
-    the host's time per step to issue them (CUDA: a host time near the step time means the step is
-    host-bound; well below it, the host ran ahead and waited only at the end)."""
+    the host's time per step to issue them (CUDA: well below the step time, the host ran ahead and
+    waited only at the end; near it, either the host is the bound or it blocked on a full launch
+    queue, about a thousand pending launches: ``host_step.py`` at few tokens tells which)."""
     samples = []
     for _ in range(args.iters):
         if device.type == "cuda":
