@@ -18,7 +18,7 @@ import torch
 from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_e2e import Stack, compile_blocks  # noqa: E402
+from bench_e2e import CUDAGRAPHS, Stack, compile_blocks, graphed, prepare  # noqa: E402
 
 import dtq  # noqa: E402
 
@@ -41,23 +41,14 @@ def main() -> None:
     for name, (build, recipe) in variants.items():
         torch._dynamo.reset()
         counters.clear()
-        model = build()
-        if args.whole:
-            model = torch.compile(model, mode="reduce-overhead", fullgraph=True)
-        else:
-            model = compile_blocks(model, "reduce-overhead")
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
-        def step(model=model, opt=opt, recipe=recipe):
-            torch.compiler.cudagraph_mark_step_begin()
-            with dtq.autocast(recipe, enabled=recipe is not None):
-                loss = model(x).float().square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        def compiled(build=build):
+            model = build()
+            if args.whole:
+                return graphed(torch.compile(model, mode=CUDAGRAPHS, fullgraph=True))
+            return graphed(compile_blocks(model, CUDAGRAPHS))
 
-        for _ in range(4):
-            step()
+        step = prepare(compiled, recipe, x, argparse.Namespace(warmup=4), torch.device("cuda"))
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(10):

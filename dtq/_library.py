@@ -10,8 +10,8 @@ An op with an autograd formula is two ops: ``dtq::<name>``, whose Autograd kerne
 formula, and ``dtq::<name>_fw``, the computation alone, which that kernel calls. AOTAutograd traces
 through the Autograd kernel, so compiled graphs call ``<name>_fw``: its autograd key is torch's C++
 fall-through, where ``torch.library.register_autograd``'s Python kernel (a dataclass, a
-``redispatch`` and a context manager per call) cost tens of microseconds per GEMM of a compiled
-step, whose host time bounds it at hidden 2048.
+``redispatch`` and a context manager) would run on every call a compiled graph makes (6.3 against
+3.0 µs of dispatch per call, timed on a CPU).
 """
 
 from __future__ import annotations
