@@ -332,7 +332,8 @@ def main() -> None:
         "--cudagraphs",
         action="store_true",
         help="also BF16, torchao tensorwise and every dtq recipe with each block compiled under CUDA graphs "
-        "(mode='reduce-overhead'; dtq recipes that cannot run there fail in their row)",
+        "(mode='reduce-overhead'; inductor drops CUDA graphs silently where it cannot capture a graph, as for "
+        "dtq's under torch 2.11: a host time near the compiled row's says so, bench/probe_cudagraphs.py tells)",
     )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=5)

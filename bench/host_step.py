@@ -72,7 +72,8 @@ def main() -> None:
             step()
         sync()
         ms = (time.perf_counter() - t0) / args.steps * 1e3
-        print(f"{variant:16s} {ms:8.2f} ms/step ({args.tokens} tokens, hidden {args.hidden}, {args.layers} layers)")
+        label = variant if bf16 else f"{variant} ({args.recipe})"
+        print(f"{label:16s} {ms:8.2f} ms/step ({args.tokens} tokens, hidden {args.hidden}, {args.layers} layers)")
         if args.profile and not bf16:
             prof = cProfile.Profile()
             with torch.autograd.set_multithreading_enabled(False):  # backward on this thread, where cProfile looks

@@ -6,7 +6,7 @@
 #   E2E="--hidden 2048 --recipes fp8 mxfp8" TRAIN="bf16 fp8" COMPILE="false true" bash bench/speed_round.sh
 #   E2E= TRAIN="bf16 fp8" bash bench/speed_round.sh             # trainer only
 #   E2E= FSDP="--preset 1b" NPROC=2 bash bench/speed_round.sh   # bench_fsdp.py's eager-vs-compiled modes
-# The kernel library comes back as $OUT/dtq_kernels.so + csrc.sum: carry them in .kcache/ to skip
+# The kernel library comes back as $OUT/dtq_kernels.so.xz + csrc.sum: carry them in .kcache/ to skip
 # the next lease's build (bench/device_env.sh).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
