@@ -96,6 +96,7 @@ class HighPrecisionWeight(torch.Tensor):
         )
         self._data = data
         self._amax_cache = None
+        self._shard_cache = None
         return self
 
     @staticmethod
@@ -154,6 +155,16 @@ class HighPrecisionWeight(torch.Tensor):
 
     def remember_amax(self, key: tuple, amax: dict) -> None:
         self._amax_cache = (key, amax)
+
+    # -- the quantized shard a forward gather leaves for the backward gather (dtq.distributed.gather)
+    def cached_shard(self, key: tuple) -> dict | None:
+        """The shard payloads remembered under ``key`` (``amax_key``'s), or None."""
+        cached = self._shard_cache
+        return cached[1] if cached is not None and cached[0] == key else None
+
+    def remember_shard(self, key: tuple | None, payloads: dict | None = None) -> None:
+        """Keep ``payloads`` under ``key``; ``None``: keep nothing (frees the payloads)."""
+        self._shard_cache = None if key is None else (key, payloads)
 
     # -- FSDP2 all-gather extension ---------------------------------------------------------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):

@@ -259,20 +259,53 @@ def high_precision_pre_all_gather(weight: torch.Tensor, data: torch.Tensor, mesh
     check_launched_world()
     world = mesh.size()
     param_dtype = mp_policy.param_dtype or weight.dtype
-    shard = data.detach().to(param_dtype)
     plan = _planner(module, ctx).gather_plan(ctx, None, DIRECTIONS)
     quantizer, dirs, fallback = plan.quantizer, plan.directions, plan.why if plan.fallback else None
     derived = ()
     if fallback:
-        payloads = quantize_payloads(quantizer, shard, dirs)
+        payloads = quantize_payloads(quantizer, data.detach().to(param_dtype), dirs)
     else:
         _check_alignment(ctx, quantizer, dirs, outer_size, world)
-        dirs, derived = split_derived(quantizer, dirs, shape_2d(shard.shape))
-        amax = _global_amax(weight, data, quantizer, shard, mesh, ctx.param_name, dirs, plan.weight_amax is None)
-        if plan.weight_amax is not None:
-            amax = plan.weight_amax(amax)
-        payloads = quantize_payloads(quantizer, shard, dirs, amax=amax)
+        dirs, derived = split_derived(quantizer, dirs, shape_2d(data.shape))
+        # (delayed scaling's amax moves with its history, not with the weight: quantized anew)
+        key = amax_key(weight, data, quantizer, param_dtype) if plan.weight_amax is None else None
+        payloads = _reused_shard(weight, key, quantizer, dirs) if key is not None else None
+        if payloads is None:
+            shard = data.detach().to(param_dtype)
+            amax = _global_amax(weight, data, quantizer, shard, mesh, ctx.param_name, dirs, key is not None)
+            if plan.weight_amax is not None:
+                amax = plan.weight_amax(amax)
+            payloads = quantize_payloads(quantizer, shard, dirs, amax=amax)
+        if key is not None:
+            _keep_shard(weight, ctx, key, payloads)
     return _finish(ctx, quantizer, dirs, payloads, outer_size, world, fallback, derived)
+
+
+def _reused_shard(weight, key: tuple, quantizer: Quantizer, dirs) -> dict | None:
+    """The payloads of ``dirs`` from the quantization an earlier gather of the same values kept
+    (:func:`_keep_shard`), a direction bitwise another's (``Quantizer.aliases``) served by its
+    twin; None unless every direction is there."""
+    have = weight.cached_shard(key)
+    if have is None:
+        return None
+    out = {}
+    for d in dirs:
+        src = d if d in have else next((s for s in have if quantizer.aliases((s, d)).get(d) == s), None)
+        if src is None:
+            return None
+        out[d] = have[src]
+    return out
+
+
+def _keep_shard(weight, ctx: GatherContext, key: tuple, payloads: dict) -> None:
+    """A forward gather that FSDP2 reshards after (``reshard_after_forward=True``) keeps its
+    quantized shard for the backward gather of the same values, which then moves it without
+    quantizing again (per-tensor FP8: the same codes serve dgrad); that gather lets it go. Costs
+    the quantized shard's memory (1/world of the weight's payload bytes) from forward to backward."""
+    if ctx.training_state == "FORWARD" and ctx.reshard_after_forward:
+        weight.remember_shard(key, payloads)
+    elif ctx.training_state == "PRE_BACKWARD":
+        weight.remember_shard(None)
 
 
 def quantized_pre_all_gather(weight: torch.Tensor, quantizer: Quantizer, payloads: dict, mesh, outer_size, module):

@@ -316,6 +316,7 @@ def _check_amax_and_mixed_precision(rank, world):
     with CountAllReduce() as count, dtq.autocast(recipe):
         model(x).sum().backward()
     assert count.calls == 0  # gathers reuse the precomputed amaxes (forward and backward)
+    _check_backward_gathers_reuse_the_forward_shard(mesh, x)
 
     # Outside dtq.autocast there is no quantizer: the weights are gathered in high precision,
     # counted as a fall-back and warned about once.
@@ -362,6 +363,45 @@ def _check_amax_and_mixed_precision(rank, world):
             y.float().square().mean().backward()
             outs.append([y.float(), *(p.grad._local_tensor for p in model.parameters())])
         assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(*outs)), fmt
+
+
+def _check_backward_gathers_reuse_the_forward_shard(mesh, x):
+    """With reshard_after_forward=True the backward gather moves the quantized shard the forward
+    gather made (per-tensor FP8: its codes serve dgrad too) instead of quantizing the same values
+    again; MXFP8's columnwise payload differs from its rowwise one, so its backward quantizes.
+    A weight changed between the two gathers is quantized anew."""
+    from dtq.distributed import gather
+
+    calls = []
+    quantize = gather.quantize_payloads
+
+    def counting(q, shard, dirs, **kw):
+        calls.append(dirs)
+        return quantize(q, shard, dirs, **kw)
+
+    gather.quantize_payloads = counting
+    try:
+        for fmt, per_step in (("fp8", 4), ("mxfp8", 8)):
+            model = _shard(_model(), mesh, True)
+            for _ in range(2):
+                calls.clear()
+                with dtq.autocast(_recipes()[fmt]):
+                    model(x).sum().backward()
+                assert len(calls) == per_step, (fmt, calls)
+                with torch.no_grad():  # an optimizer step: the next gathers see new values
+                    for p in model.parameters():
+                        p.add_(0.5)
+        model = _shard(_model(), mesh, True)
+        with dtq.autocast(_recipes()["fp8"]):
+            y = model(x)
+            mlp = model[0]
+            with torch.no_grad():  # between this forward and its backward
+                mlp.fc1_weight.mul_(2)
+            calls.clear()
+            y.sum().backward()
+        assert len(calls) == 1, calls  # mlp's first weight only (re-quantized); the others reused
+    finally:
+        gather.quantize_payloads = quantize
 
 
 def test_precomputed_amax_and_mixed_precision_2_ranks():
