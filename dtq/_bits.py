@@ -39,13 +39,14 @@ def check_fp8_dtype(dtype: torch.dtype, owner: str) -> None:
         )
 
 
-def cast_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Saturating round-to-nearest-even cast of fp32 values; NaN becomes the code 0x7F."""
+def cast_fp8(x: torch.Tensor, dtype: torch.dtype, traced: bool = False) -> torch.Tensor:
+    """Saturating round-to-nearest-even cast of fp32 values; NaN becomes the code 0x7F.
+    ``traced``: for a graph (no data-dependent branch)."""
     fmax = FP8_MAX[dtype]
     q = x.clamp(-fmax, fmax).to(dtype)
     nan = torch.isnan(x)
     # On a GPU the fix-up always runs: asking whether it is needed would stall the host.
-    if x.is_cuda or bool(nan.any()):
+    if traced or x.is_cuda or bool(nan.any()):
         q = torch.where(nan, torch.full_like(q.view(torch.uint8), FP8_NAN_CODE), q.view(torch.uint8)).view(dtype)
     return q
 

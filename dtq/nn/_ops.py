@@ -281,9 +281,11 @@ def _linear_backward_impl(
     has_x_amax: bool,
     planned: bool,
     dy_amax: torch.Tensor | None,
+    dy_payloads: list[torch.Tensor],
 ) -> list[torch.Tensor]:
     """``[dx?, dw?, db?]`` (those asked for, in that order) of ``dtq::linear``; ``dy_amax``:
-    max|dy|, computed in the graph for a planned call whose dy takes a tensor-wide amax."""
+    max|dy|, computed in the graph for a planned call whose dy takes a tensor-wide amax;
+    ``dy_payloads``: dy quantized in the graph (:func:`quantize_grad`) for a planned call, else empty."""
     slots = _module_slots(handle, key)
     w = _weight(weight, w_fields, wkey, slots.live_weight)
     if planned:
@@ -294,7 +296,7 @@ def _linear_backward_impl(
             # under FSDP2, the parameter the backward all-gather refilled, as eager backward reads it
             live = slots.live_weight() if slots.state.fsdp_gathered else None
             wobj = live if isinstance(live, QuantizedTensor) else w
-        grads = plan.backward(dy, tuple(saved), wobj, None, w.dtype, need_bgrad, dy_amax)
+        grads = plan.backward(dy, tuple(saved), wobj, None, w.dtype, need_bgrad, dy_amax, dy_payloads or None)
         return [g.contiguous() for g in grads if g is not None]
     x_meta = torch.empty(x_shape, dtype=x_dtype, device="meta")
     specs = _layout(key, need_dgrad, need_wgrad, x_meta, w, has_x_amax)
@@ -325,6 +327,7 @@ def _linear_backward_fake(
     has_x_amax,
     planned,
     dy_amax,
+    dy_payloads,
 ):
     w = _weight(weight, w_fields, wkey)
     out = []
@@ -362,10 +365,15 @@ def _backward(ctx, grads):
     key, need_dgrad, need_wgrad, need_bgrad = ctx.args[1:5]
     planned = ctx.args[-1]
     weight, *saved = ctx.saved_tensors
-    dy, dy_amax = grads[0], None
-    if planned and (need_dgrad or need_wgrad) and dy.numel() and takes_tensor_amax(key, "grad_output"):
-        dy_amax = stored_amax(dy.detach())  # in the graph: fused into dy's producer
-    out = iter(linear_backward(dy, saved, weight, [], 0, *ctx.args, dy_amax))
+    dy, dy_amax, dy_payloads = grads[0], None, []
+    if planned and (need_dgrad or need_wgrad) and dy.numel():
+        if takes_tensor_amax(key, "grad_output"):
+            dy_amax = stored_amax(dy.detach())  # in the graph: fused into dy's producer
+        if quantizes_grad_apart(key):  # in the graph too, where inductor can fuse it (_fused_input)
+            x_shape, x_dtype = ctx.args[5:7]
+            args = (key, need_dgrad, need_wgrad, x_shape, x_dtype, weight.dtype)
+            dy_payloads = quantize_grad(dy.detach(), dy_amax, *args)
+    out = iter(linear_backward(dy, saved, weight, [], 0, *ctx.args, dy_amax, dy_payloads))
     dx = next(out) if need_dgrad else None
     dw = next(out) if need_wgrad else None
     db = next(out) if need_bgrad else None
@@ -378,12 +386,50 @@ def _input_plan(
     x: torch.Tensor, key: int, need_dgrad: bool, need_wgrad: bool, out_features: int, w_dtype: torch.dtype
 ) -> LinearPlan:
     """The plan of a planned call of template ``key`` on ``x`` whose weight is ``[out_features,
-    x.shape[-1]]`` of ``w_dtype``: its input quantization is the module's (the weight's kind
-    changes only the weight's side)."""
-    w = torch.empty((out_features, x.shape[-1]), dtype=w_dtype, device="meta")
+    x.shape[-1]]`` of ``w_dtype``: its input and gradient quantizations are the module's (the
+    weight's kind changes only the weight's side)."""
+    return _template_plan(key, need_dgrad, need_wgrad, x.shape, x.dtype, x.device, out_features, w_dtype)
+
+
+def _template_plan(key, need_dgrad, need_wgrad, x_shape, x_dtype, device, out_features, w_dtype) -> LinearPlan:
+    w = torch.empty((out_features, x_shape[-1]), dtype=w_dtype, device="meta")
     call = GemmCall(template(key), need_dgrad, need_wgrad)
     # (None: a shape the formats refuse; building the plan again raises their message)
-    return _plan(call, x, w) or LinearPlan(call, x.shape, x.dtype, x.device, w)
+    x_shape = torch.Size(x_shape)
+    return shape_plan(call, x_shape, x_dtype, device, w) or LinearPlan(call, x_shape, x_dtype, device, w)
+
+
+def _grad_plan(dy, key, need_dgrad, need_wgrad, x_shape, x_dtype, w_dtype) -> LinearPlan:
+    return _template_plan(key, need_dgrad, need_wgrad, x_shape, x_dtype, dy.device, dy.shape[-1], w_dtype)
+
+
+def _quantize_grad_impl(
+    dy: torch.Tensor,
+    dy_amax: torch.Tensor | None,
+    key: int,
+    need_dgrad: bool,
+    need_wgrad: bool,
+    x_shape: list[int],
+    x_dtype: torch.dtype,
+    w_dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """dy quantized as a planned call of template ``key`` quantizes it in backward
+    (``LinearPlan.g_layout``'s distinct tensors), for ``dtq::linear_backward``'s ``dy_payloads``:
+    an op of the backward graph, which inductor decomposes into kernels fused with dy's producer."""
+    plan = _grad_plan(dy, key, need_dgrad, need_wgrad, x_shape, x_dtype, w_dtype)
+    return _unaliased(plan.quantize_grad(dy, dy_amax), (dy, dy_amax))
+
+
+def _quantize_grad_fake(dy, dy_amax, key, need_dgrad, need_wgrad, x_shape, x_dtype, w_dtype):
+    return _grad_plan(dy, key, need_dgrad, need_wgrad, x_shape, x_dtype, w_dtype).empty_grad(dy)
+
+
+@torch._dynamo.assume_constant_result
+def quantizes_grad_apart(key: int) -> bool:
+    """Whether a planned compiled call of template ``key`` quantizes dy with :func:`quantize_grad`:
+    not where the gradient format rounds stochastically (its seed is drawn inside the GEMMs' op)."""
+    q = template(key).sg.quantizer
+    return q is not None and not any(q.codec(d).uses_rng() for d in (ROWWISE, COLUMNWISE))
 
 
 def _quantize_input_impl(
@@ -442,6 +488,7 @@ def _dequantize_grad(ctx, grad):
 linear_backward = define("linear_backward", _linear_backward_impl, _linear_backward_fake)
 linear = define("linear", _linear_impl, _linear_fake, backward=_backward, setup_context=_setup_context)
 quantize_input = define("quantize_input", _quantize_input_impl, _quantize_input_fake)
+quantize_grad = define("quantize_grad", _quantize_grad_impl, _quantize_grad_fake)
 dequantize_weight = define(
     "dequantize_weight",
     _dequantize_weight_impl,

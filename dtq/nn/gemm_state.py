@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import weakref
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -281,8 +283,9 @@ class GemmHandle(OpaqueBase):
     def __reduce__(self):
         # What inductor's FX graph cache pickles for its key: a handle is a graph input, so the
         # compiled code is the same whichever module it reaches; reduced to a handle to no module
-        # (calling one raises), the key is stable and compiled graphs are cached across runs.
-        return (_detached_handle, ())
+        # (calling one raises), the key is stable and compiled graphs are cached across runs; with
+        # dtq's code fingerprint in it, a graph is not reused by another version of dtq.
+        return (_detached_handle, (code_fingerprint(),))
 
     def slots(self, recipe: Recipe, gemm: int) -> GemmSlots:
         module = self._module()
@@ -299,7 +302,22 @@ class GemmHandle(OpaqueBase):
 register_opaque_reference(GemmHandle)
 
 
-def _detached_handle() -> GemmHandle:
+@functools.cache
+def code_fingerprint() -> str:
+    """A hash of dtq's Python sources. A compiled graph holds what dtq's code decided when it was
+    traced (the ops' schemas and autograd formulas, inductor decompositions, graph constants); the
+    caches that hand graphs to later processes key them by the graph dynamo saw, which calls only
+    ``dtq::linear``, so a graph traced by another dtq would be reused (calling ops whose schema
+    has changed since). The handle, an input of every such graph, carries this into the key."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        digest.update(f.relative_to(root).as_posix().encode())
+        digest.update(f.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _detached_handle(fingerprint: str = "") -> GemmHandle:
     handle = GemmHandle.__new__(GemmHandle)
     handle._module = lambda: None
     return handle
@@ -320,9 +338,21 @@ def template_key(recipe_key: int, module_type: str, name: str, suffix: str, gemm
     if key is None:
         recipe = recipe_by_key(recipe_key)
         slots = [Slot(r, recipe.quantizer(r)) for r in gemm_roles(module_type, name + suffix)]
-        key = _template_keys[k] = len(_template_keys) + 1
+        key = _template_keys[k] = _content_key((recipe, module_type, name, suffix, gemm, [s.quantizer for s in slots]))
+        other = _TEMPLATES.get(key)
+        if other is not None and (other.recipe, other.quantizers) != (recipe, tuple(s.quantizer for s in slots)):
+            raise RuntimeError(f"dtq: two GEMM slot templates share the key {key}: {other.name} and {module_type}")
         _TEMPLATES[key] = GemmSlots(f"{module_type} {name + suffix!r}", recipe, *slots, None, gemm=gemm)
     return key
+
+
+def _content_key(content) -> int:
+    """A template's key from what it is and the code that traces it: compiled graphs hold it as a
+    constant, the caches that hand graphs to later processes key them by those constants, and a
+    graph must reach the same template there (a number handed out in tracing order could name
+    another recipe's) and not outlive dtq's code (:func:`code_fingerprint`). Nonzero, below 2**56."""
+    digest = hashlib.sha256(repr((content, code_fingerprint())).encode()).digest()
+    return int.from_bytes(digest[:7], "big") or 1
 
 
 def template(key: int) -> GemmSlots:

@@ -65,6 +65,7 @@ class LinearPlan:
         "w_fields",
         "x_layout",
         "x_saved",
+        "g_layout",
         "fprop",
         "dgrad",
         "wgrad",
@@ -105,6 +106,8 @@ class LinearPlan:
             self.x_saved = tuple(where[COLUMNWISE, k] for k in self.x_fields)
         if self.qw is not None and call.need_dgrad:
             self.w_fields = _saved_fields(self.qw.empty(self.w2d, meta, wl.dtype)[COLUMNWISE])
+        # dy's payloads as distinct tensors, likewise (the compiled path's dtq::quantize_grad)
+        self.g_layout = _tensor_layout(self.qg.empty(self.g2d, meta, x_dtype)) if self.qg is not None else ()
         self.fprop = self.dgrad = self.wgrad = None
 
     def _transposed_columnwise(self, dev: torch.device) -> tuple[bool, bool, bool]:
@@ -169,6 +172,16 @@ class LinearPlan:
         px = _run(self.qx, x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), self.call.slots.sx, x_amax)
         return _distinct(px, self.x_layout)
 
+    def quantize_grad(self, dy: torch.Tensor, dy_amax: torch.Tensor | None) -> list[torch.Tensor]:
+        """dy's payloads as :meth:`backward` computes them, as the list ``g_layout`` describes: what
+        the compiled path quantizes in its backward graph, ahead of the GEMMs' op."""
+        dy2 = (dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])).contiguous()
+        return _distinct(_run(self.qg, dy2, self.call.slots.sg, dy_amax), self.g_layout)
+
+    def empty_grad(self, dy: torch.Tensor) -> list[torch.Tensor]:
+        """What :meth:`quantize_grad` returns, empty."""
+        return _distinct(self.qg.empty(self.g2d, dy.device, self.x_dtype), self.g_layout)
+
     def empty_input(self, x: torch.Tensor) -> list[torch.Tensor]:
         """What :meth:`quantize_input` returns, empty."""
         return _distinct(self.qx.empty(self.x2d, x.device, self.x_dtype), self.x_layout)
@@ -203,17 +216,24 @@ class LinearPlan:
         w_dtype: torch.dtype,
         need_bgrad: bool,
         dy_amax: torch.Tensor | None = None,
+        dy_payloads: list[torch.Tensor] | None = None,
     ) -> tuple:
         """``(dx, dw, db)`` as ``linear_backward`` computes them (``link``: the call's AmaxLink;
-        ``dy_amax``: max|dy| if computed already)."""
+        ``dy_amax``: max|dy| if computed already; ``dy_payloads``: dy quantized already, by
+        :meth:`quantize_grad`)."""
         call = self.call
-        dy2 = (dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])).contiguous()
+        dy2 = dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])
         dx = dw = None
         if self.qg is not None:
-            known = dy_amax
-            if link is not None:  # max|dy| from the next op's kernel
-                known = link.take_grad_amax()
-            pg = _run(self.qg, dy2, call.slots.sg, known)
+            if dy_payloads:
+                pg: dict = {}
+                for d, k, i in self.g_layout:
+                    pg.setdefault(d, {})[k] = dy_payloads[i]
+            else:
+                known = dy_amax
+                if link is not None:  # max|dy| from the next op's kernel
+                    known = link.take_grad_amax()
+                pg = _run(self.qg, dy2, call.slots.sg, known)
             n = len(self.x_fields)
             if call.need_dgrad:
                 if self.quantized_weight:
@@ -236,7 +256,7 @@ class LinearPlan:
                         w_dtype,
                     )
                 dw = self.wgrad(pg[COLUMNWISE], px)
-        db = dy2.sum(0) if need_bgrad else None
+        db = dy2.contiguous().sum(0) if need_bgrad else None
         if dx is not None and dx.shape != self.x_shape:
             dx = dx.reshape(self.x_shape)
         return dx, dw, db

@@ -11,7 +11,7 @@ from dtq._torch_private import in_backward
 from dtq._warn import warn_once
 from dtq.autocast import active_amax_sync, active_recipe
 from dtq.distributed import tp
-from dtq.nn import _ops
+from dtq.nn import _fused_input, _ops
 from dtq.nn._linear_fn import DequantizeWeight, LinearFn, WeightData
 from dtq.nn.gemm_state import GemmCall, GemmHandle, GemmSlots, GemmState, template_key
 from dtq.nn.linear_plan import PlannedLinearFn, plan_for
@@ -264,7 +264,9 @@ class QuantizedModule(torch.nn.Module):
                 x_amax = stored_amax(x.detach())
             x_payloads = []
             if planned and x.dim() >= 2 and x.numel() and _ops.quantizes_input_apart(key):
-                # an op of its own, which names no module: GEMMs reading this x merge it (one quantization)
+                # an op of its own, which names no module: GEMMs reading this x merge it (one
+                # quantization); inductor decomposes it where it can fuse it (_fused_input)
+                _fused_input.register()
                 x_payloads = _ops.quantize_input(
                     x.detach(), x_amax, key, need_dgrad, need_wgrad, weight.shape[0], weight.dtype
                 )

@@ -149,3 +149,17 @@ def test_reduce_overhead_records_cuda_graphs():
         torch.compiler.cudagraph_mark_step_begin()
         _step(model, x, r, 40 + step)
     assert _recorded_cuda_graphs(torch.cuda.current_device()) > before
+
+
+def test_inductor_fuses_the_fp8_input_quantization_on_cuda():
+    """Per-tensor FP8 inputs are quantized by inductor's own kernels (``dtq.nn._fused_input``), fused
+    into their producers (SDPA's output copy, relu * mul), with eager's bits: the division in fp64
+    and x's stored bf16 values (not inductor's fp32 intermediates) make them so."""
+    from torch._inductor.utils import run_and_get_code
+
+    r = ALL["fp8"]()
+    want = _step(_model(), _x(), r, 3)
+    got, code = run_and_get_code(_step, torch.compile(_model(), fullgraph=True), _x(), r, 3)
+    assert not any("torch.ops.dtq.quantize_input" in c for c in code)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), i

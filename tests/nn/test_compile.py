@@ -181,7 +181,7 @@ def _fsdp_compiled_blocks(rank, world, quantized_params):
 
 @pytest.mark.parametrize("quantized_params", [False, True])
 def test_fsdp2_over_compiled_blocks(quantized_params):
-    spawn(_fsdp_compiled_blocks, 2, quantized_params)
+    spawn(_fsdp_compiled_blocks, 2, quantized_params, backend="gloo")  # CPU blocks, whatever GPUs there are
 
 
 @pytest.mark.parametrize("wrapped", [False, True])
@@ -200,3 +200,52 @@ def test_op_outputs_alias_no_input_and_no_other_output(wrapped):
     assert all(a.is_contiguous() and torch.equal(a, b) for a, b in zip(out, flat))
     views = [x, w, *out]
     assert not any(torch._C._is_alias_of(a, b) for i, a in enumerate(views) for b in views[i + 1 :])
+
+
+class NormMLP(torch.nn.Module):
+    """Inputs produced by fusable ops (RMSNorm, SiLU): where inductor folds the FP8 cast in."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(H)
+        self.fc1, self.fc2 = torch.nn.Linear(H, 2 * H, bias=False), torch.nn.Linear(2 * H, H, bias=False)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.silu(self.fc1(self.norm(x))))
+
+
+def test_inductor_fuses_the_fp8_input_quantization():
+    """Under inductor a per-tensor FP8 input quantization is plain ops (``dtq.nn._fused_input``), no
+    ``dtq::quantize_input`` call: bitwise the eager model where inductor runs eager's kernels around
+    the GEMMs (ReLU), and bitwise the op's quantization where it fuses the cast into a norm and an
+    activation (whose own values compile differently from eager's). A recipe it does not cover
+    (row-wise scales) keeps the op."""
+    from torch._inductor.decomposition import decompositions
+    from torch._inductor.utils import run_and_get_code
+
+    r = RECIPES["fp8"]()
+    x = torch.randn(32, H, generator=torch.Generator().manual_seed(4))
+    eager = _step(_mlp(False, r), x, r)
+    got, code = run_and_get_code(_step, torch.compile(_mlp(False, r)), x, r)
+    assert all(torch.equal(_local(a), _local(b)) for a, b in zip(got, eager))
+    assert "float8_e4m3fn" in "".join(code)  # inductor's own cast
+    assert not any("torch.ops.dtq.quantize_input" in c for c in code)
+
+    def norm_mlp_step():
+        torch.manual_seed(0)
+        return _step(torch.compile(NormMLP().to(torch.bfloat16)), x.bfloat16(), r)
+
+    fused = norm_mlp_step()
+    op = torch.ops.dtq.quantize_input.default
+    decomposition = decompositions.pop(op)
+    try:
+        torch._dynamo.reset()
+        kept = norm_mlp_step()
+    finally:
+        decompositions[op] = decomposition
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(fused, kept))
+
+    torch._dynamo.reset()
+    row = RECIPES["fp8_row"]()
+    _, code = run_and_get_code(_step, torch.compile(_mlp(False, row)), x, row)
+    assert any("torch.ops.dtq.quantize_input" in c for c in code)

@@ -59,3 +59,26 @@ def test_a_second_process_runs_the_cached_graphs_of_quantized_weights(tmp_path):
     # the second process traced nothing below dynamo: every graph came from the first one's cache
     assert second["aot"].get("autograd_cache_hit", 0) == saved and not second["aot"].get("autograd_cache_miss"), second
     assert second["bits"] == first["bits"]
+
+
+def test_another_dtq_does_not_reuse_the_cached_graphs(tmp_path):
+    """The caches key a graph by what dynamo traced, which calls ``dtq::linear`` whatever dtq's
+    version; the graphs below it (its backward's ops, their schemas) are what that version traced.
+    A process running other dtq sources (here: one changed line) compiles its own instead of
+    calling ops with a schema that may have changed (it used to fail: 'missing value for argument')."""
+    import shutil
+
+    cache = tmp_path / "cache"
+    _run(cache)
+    other = tmp_path / "other"
+    shutil.copytree(ROOT / "dtq", other / "dtq", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(other / "dtq" / "nn" / "_ops.py", "a") as f:
+        f.write("\n# another version\n")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "PYTHONPATH": str(other)}
+    # (cwd: `python -c` puts the working directory ahead of PYTHONPATH)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not got["aot"].get("autograd_cache_hit") and got["aot"].get("autograd_cache_miss", 0) >= 1, got

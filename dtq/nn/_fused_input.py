@@ -1,0 +1,107 @@
+"""Inductor's decompositions of ``dtq::quantize_input`` and ``dtq::quantize_grad`` for per-tensor FP8:
+the input and gradient quantizations of a planned compiled GEMM call as plain tensor ops, which
+inductor fuses into the kernels around them (the cast into the kernel producing x or dy, the
+transpose beside it) instead of one opaque op per operand with its own launches and host time;
+what torchao's float8 training compiles to.
+
+The ops compute the bits ``Float8Codec.quantize`` defines, in the form a compiler cannot round
+differently: x is taken at its stored precision (a bitcast round trip: inductor would otherwise
+feed its unrounded fp32 intermediate into the cast), and the two divisions (``fmax / amax``,
+``1 / scale``) run in fp64 and round once to fp32, which for fp32 operands is the correctly
+rounded fp32 quotient (Triton's fp32 ``/`` is an approximate division). Any other quantizer,
+layout or a symbolic shape keeps the op (the decomposition returns ``NotImplemented``); backends
+other than inductor keep it too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dtq import _bits
+from dtq.formats.float8 import Float8Quantizer
+from dtq.nn import _ops
+
+_FIELDS = frozenset({"data", "data_t", "scale_inv"})
+_registered = False
+
+
+@torch._dynamo.assume_constant_result
+def register() -> bool:
+    """Put the decompositions into inductor's table (once; run where a dtq module is traced, so
+    importing dtq does not import inductor)."""
+    global _registered
+    if not _registered:
+        from torch._inductor import lowering
+        from torch._inductor.decomposition import decompositions
+
+        for op, fn in ((_ops.quantize_input, _quantize_input), (_ops.quantize_grad, _quantize_grad)):
+            if op not in lowering.lowerings:
+                # the lowering of the calls a decomposition declines: the one inductor would give
+                # a custom op (its own refuses an op that also has a decomposition)
+                tag = lowering.get_layout_constraint_tag(op, with_default=True)
+                constraint = lowering.tag_to_layout_constraint(tag)
+                lowering.make_fallback(op, layout_constraint=constraint, warn=False, override_decomp=True)
+            decompositions[op] = fn
+        _registered = True
+    return True
+
+
+def _quantize_input(x, x_amax, key, need_dgrad, need_wgrad, out_features, w_dtype):
+    if not _static(x):
+        return NotImplemented
+    with _untraced():
+        plan = _ops._input_plan(x, key, need_dgrad, need_wgrad, out_features, w_dtype)
+    return _fp8_payloads(plan.qx.q, plan.x_layout, x, x_amax)
+
+
+def _quantize_grad(dy, dy_amax, key, need_dgrad, need_wgrad, x_shape, x_dtype, w_dtype):
+    if not (_static(dy) and all(isinstance(s, int) for s in x_shape)):
+        return NotImplemented
+    with _untraced():
+        plan = _ops._grad_plan(dy, key, need_dgrad, need_wgrad, x_shape, x_dtype, w_dtype)
+    return _fp8_payloads(plan.qg.q, plan.g_layout, dy, dy_amax)
+
+
+def _static(t: torch.Tensor) -> bool:
+    return all(isinstance(s, int) for s in t.shape)
+
+
+def _untraced():
+    """The plans' meta-tensor probes are not part of the graph."""
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    return disable_proxy_modes_tracing()
+
+
+def _fp8_payloads(q, layout: tuple, x: torch.Tensor, amax: torch.Tensor | None):
+    """The distinct payload tensors of ``layout`` (``LinearPlan``'s) for ``x`` quantized by ``q``
+    with max|x| ``amax``, as plain ops; NotImplemented unless ``q`` is per-tensor FP8."""
+    if type(q) is not Float8Quantizer or q.pow2_scales or not {k for _, k, _ in layout} <= _FIELDS:
+        return NotImplemented
+    x2 = x.reshape(-1, x.shape[-1])
+    int_dtype = _bits._SAME_SIZE_INT.get(x2.dtype)
+    if int_dtype is not None:  # x's stored values (see the module docstring)
+        x2 = x2.view(int_dtype).view(x2.dtype)
+    if amax is None:
+        amax = _bits.stored_amax(x2)
+    scale, scale_inv = _scales(amax, _bits.FP8_MAX[q.dtype])
+    data = _bits.cast_fp8(x2.float() * scale, q.dtype, traced=True)
+    fields = {"data": data, "scale_inv": scale_inv}
+    if any(k == "data_t" for _, k, _ in layout):
+        fields["data_t"] = data.t().contiguous()
+    out: list[torch.Tensor] = []
+    for _, k, i in layout:
+        if i == len(out):
+            out.append(fields[k])
+    return out
+
+
+def _scales(amax: torch.Tensor, fmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, 1 / scale)`` as ``_bits.per_tensor_scale`` and ``torch.reciprocal`` give them,
+    each quotient computed in fp64 and rounded once to fp32 (innocuous double rounding: 53 bits
+    hold the 2 * 24 + 2 an exact fp32 quotient's rounding needs)."""
+    amax = amax.to(torch.float32)
+    finite = torch.nan_to_num(amax, nan=0.0, posinf=0.0)
+    divisor = torch.where(finite > 0, finite, fmax).double()
+    scale = torch.clamp(fmax / divisor, max=_bits.FLT_MAX).float()
+    return scale, (1.0 / scale.double()).float()
