@@ -225,6 +225,30 @@ def print_kernels(step, device, top: int) -> None:
         print(f"    {t / 2e3:8.3f} {e.count / 2:6.0f}  {e.key[:110]}")
 
 
+HOST_PREFIXES = ("FSDP", "Optimizer", "CompiledFunction", "## Call", "autograd::engine", "dtq::", "c10d::", "aten::_sc")
+
+
+def print_host(step, top: int, steps: int = 2, trace: str = "") -> None:
+    """Where the host's time goes in ``steps`` steps: the ``top`` host regions and ops (FSDP2's
+    hooks, compiled graph calls, dtq's ops, collectives, the optimizer) by inclusive time, ms per
+    step. ``trace``: also write the chrome trace there, with Python stacks (a timeline to read)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU], with_stack=bool(trace)) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
+    events = [e for e in prof.key_averages() if e.key.startswith(HOST_PREFIXES)]
+    events.sort(key=lambda e: -e.cpu_time_total)
+    print("    host time per step, ms (inclusive, self, calls per step):")
+    for e in events[:top]:
+        total, own = e.cpu_time_total / steps / 1e3, e.self_cpu_time_total / steps / 1e3
+        print(f"    {total:8.2f} {own:7.2f} {e.count / steps:5.0f}  {e.key[:90]}")
+
+
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 

@@ -22,11 +22,14 @@ issues, per rank: ``dtq.launch.metrics.CollectiveBytes``), so every mode is meas
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,6 +38,9 @@ from torch.distributed.fsdp import fully_shard
 
 import dtq
 from dtq.launch.metrics import CollectiveBytes  # counts bytes at torch.distributed's collectives
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_e2e import print_gaps, print_host, print_kernels  # noqa: E402
 
 
 class Block(torch.nn.Module):
@@ -112,6 +118,36 @@ def after_step(model, mode: str) -> None:
         dtq.parallel.precompute_amax(model)
 
 
+def make_step(model, recipe, opt, x, mode: str):
+    def train_step():
+        with dtq.autocast(recipe, enabled=recipe is not None):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        after_step(model, mode)
+
+    return train_step
+
+
+def profile_mode(args, mode: str, rank: int) -> None:
+    """Kernels, GPU idle gaps and host regions of ``mode``'s step (a fresh model, two warm-up steps);
+    every rank steps (collectives), rank 0 prints (and writes the trace, with ``--trace``)."""
+    model, recipe, opt = build(args, mode)
+    x = torch.randn(args.batch, args.seq, args.hidden, device="cuda", dtype=torch.bfloat16)
+    train_step = make_step(model, recipe, opt, x, mode)
+    for _ in range(2):
+        train_step()
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(sys.stdout if rank == 0 else null):
+        print(f"{mode}:")
+        print_kernels(train_step, torch.device("cuda"), args.profile)
+        print_gaps(train_step, args.profile)
+        name = "".join(c if c.isalnum() else "_" for c in mode)
+        print_host(train_step, args.profile, trace=f"{args.trace}/{name}.json" if args.trace and rank == 0 else "")
+    del model, opt, train_step
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=8)
@@ -124,6 +160,10 @@ def main() -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), help="shapes of a trainer config (overrides the above)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated; a mode + ' compiled' compiles each block")
     p.add_argument("--compiled-modes", action="store_true", help="print the eager-vs-compiled mode list and exit")
+    p.add_argument(
+        "--profile", type=int, default=0, metavar="TOP", help="after timing: each mode's TOP kernels, gaps, host"
+    )
+    p.add_argument("--trace", default="", help="with --profile: a folder for rank 0's host traces (Python stacks)")
     p.add_argument("--out", default="")
     args = p.parse_args()
     if args.compiled_modes:
@@ -145,6 +185,7 @@ def main() -> None:
                 continue
             n_params = sum(p.numel() for p in model.parameters())
             x = torch.randn(args.batch, args.seq, args.hidden, device="cuda", dtype=torch.bfloat16)
+            train_step = make_step(model, recipe, opt, x, mode)
             times = []
             torch.cuda.reset_peak_memory_stats()
             for step in range(args.steps):
@@ -153,12 +194,7 @@ def main() -> None:
                     dtq.parallel.comm_stats(reset=True)
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                with dtq.autocast(recipe, enabled=recipe is not None):
-                    loss = model(x).float().square().mean()
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                after_step(model, mode)
+                train_step()
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
             counted, moved = args.steps - args.steps // 2, counter.take()
@@ -182,8 +218,11 @@ def main() -> None:
                     f"peak {row['peak_mem_mib']:7.0f} MiB",
                     flush=True,
                 )
-            del model, opt
+            del model, opt, train_step
             torch.cuda.empty_cache()
+    if args.profile:  # after every timing: a profiler session slows the launches of the steps after it
+        for mode in [r["mode"] for r in results]:
+            profile_mode(args, mode, rank)
     if rank == 0 and results:
         base = results[0]
         for r in results:
