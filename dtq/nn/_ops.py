@@ -199,6 +199,7 @@ def _forward(
     recompute_only,
     planned,
     fake: bool,
+    alias_inputs: tuple,
 ) -> list:
     if fake:
         call = GemmCall(template(key), need_dgrad, need_wgrad)
@@ -226,11 +227,11 @@ def _forward(
             plan = _plan(slots.call(need_dgrad, need_wgrad), x, weight)
             if plan is not None:  # (None: a shape no plan takes; the general path raises its message)
                 y, saved = plan.forward(x, weight, bias, x_amax, share=False, x_payloads=x_payloads or None)
-                return [y, *_unaliased(saved, (x, weight, bias, x_amax))]
+                return [y, *_unaliased(saved, alias_inputs)]
         call = GemmCall(slots, need_dgrad, need_wgrad, replay=replay, amax_sync=sync)
         y, sx, sw = lf.linear_forward(call, x, weight, bias, x_amax)
     flat, _ = lf.flatten_saved((sx, sw), keep=(weight,))  # a quantized weight is passed to backward again
-    return [y, *_unaliased(flat, (x, weight, bias, x_amax))]
+    return [y, *_unaliased(flat, alias_inputs)]
 
 
 def _linear_impl(
@@ -258,11 +259,15 @@ def _linear_impl(
     saved fields backward then takes from these inputs."""
     w = _weight(weight, w_fields, wkey, lambda: _module_slots(handle, key).live_weight())
     args = (bias, x_amax, x_payloads, handle, key, need_dgrad, need_wgrad, no_grad_trainable, recompute_only, planned)
-    return _forward(x, w, *args, fake=False)
+    # what outputs may not alias: a quantized weight as the payload tensors it arrived as (no
+    # taking apart the weight rebuilt from them)
+    alias_inputs = (x, *(w_fields if wkey else (weight,)), bias, x_amax)
+    return _forward(x, w, *args, fake=False, alias_inputs=alias_inputs)
 
 
 def _linear_fake(x, weight, w_fields, wkey, *args):  # args: as _linear_impl's, from bias on
-    return _forward(x, _weight(weight, w_fields, wkey), *args, fake=True)
+    w = _weight(weight, w_fields, wkey)
+    return _forward(x, w, *args, fake=True, alias_inputs=(x, w, args[0], args[1]))  # (args: bias, x_amax, ...)
 
 
 def _linear_backward_impl(
