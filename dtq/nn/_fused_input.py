@@ -9,8 +9,8 @@ differently: x is taken at its stored precision (a bitcast round trip: inductor 
 feed its unrounded fp32 intermediate into the cast), and the two divisions (``fmax / amax``,
 ``1 / scale``) run in fp64 and round once to fp32, which for fp32 operands is the correctly
 rounded fp32 quotient (Triton's fp32 ``/`` is an approximate division). Any other quantizer,
-layout or a symbolic shape keeps the op (the decomposition returns ``NotImplemented``); backends
-other than inductor keep it too.
+layout, a symbolic shape or a GPU older than sm_89 keeps the op (the decomposition returns
+``NotImplemented``); backends other than inductor keep it too.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ def register() -> bool:
     global _registered
     if not _registered:
         from torch._inductor import lowering
-        from torch._inductor.decomposition import decompositions
 
         for op, fn in ((_ops.quantize_input, _quantize_input), (_ops.quantize_grad, _quantize_grad)):
             if op not in lowering.lowerings:
@@ -41,9 +40,26 @@ def register() -> bool:
                 tag = lowering.get_layout_constraint_tag(op, with_default=True)
                 constraint = lowering.tag_to_layout_constraint(tag)
                 lowering.make_fallback(op, layout_constraint=constraint, warn=False, override_decomp=True)
-            decompositions[op] = fn
+        set_decomposed(True)
         _registered = True
     return True
+
+
+def set_decomposed(on: bool) -> None:
+    """Put the decompositions into inductor's table, or take them out (the ops then run as they
+    are, as they do under other backends). Inductor reads a copy of its table made at its first
+    compile in the process (``fast_random_decomps``, cached): that copy is made again, or an
+    earlier compile of anything would leave dtq's ops undecomposed for the process's life."""
+    from torch._inductor import decomposition
+
+    for op, fn in ((_ops.quantize_input, _quantize_input), (_ops.quantize_grad, _quantize_grad)):
+        if on:
+            decomposition.decompositions[op] = fn
+        else:
+            decomposition.decompositions.pop(op, None)
+    cached = getattr(decomposition, "fast_random_decomps", None)
+    if hasattr(cached, "cache_clear"):
+        cached.cache_clear()
 
 
 def _quantize_input(x, x_amax, key, need_dgrad, need_wgrad, out_features, w_dtype):
@@ -78,6 +94,8 @@ def _fp8_payloads(q, layout: tuple, x: torch.Tensor, amax: torch.Tensor | None):
     with max|x| ``amax``, as plain ops; NotImplemented unless ``q`` is per-tensor FP8."""
     if type(q) is not Float8Quantizer or q.pow2_scales or not {k for _, k, _ in layout} <= _FIELDS:
         return NotImplemented
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 9):
+        return NotImplemented  # Triton has no FP8 conversions before sm_89; the op emulates them
     x2 = x.reshape(-1, x.shape[-1])
     int_dtype = _bits._SAME_SIZE_INT.get(x2.dtype)
     if int_dtype is not None:  # x's stored values (see the module docstring)

@@ -202,26 +202,29 @@ def test_op_outputs_alias_no_input_and_no_other_output(wrapped):
     assert not any(torch._C._is_alias_of(a, b) for i, a in enumerate(views) for b in views[i + 1 :])
 
 
-class NormMLP(torch.nn.Module):
-    """Inputs produced by fusable ops (RMSNorm, SiLU): where inductor folds the FP8 cast in."""
+class GatedMLP(torch.nn.Module):
+    """fc2's input and fc1's output gradient come from pointwise ops (relu * mul and its backward),
+    which inductor fuses the FP8 casts into, computing them in fp32: the casts must read the BF16
+    values eager rounds them to."""
 
     def __init__(self):
         super().__init__()
-        self.norm = torch.nn.RMSNorm(H)
-        self.fc1, self.fc2 = torch.nn.Linear(H, 2 * H, bias=False), torch.nn.Linear(2 * H, H, bias=False)
+        self.fc1, self.fc2 = torch.nn.Linear(H, 2 * H, bias=False), torch.nn.Linear(H, H, bias=False)
 
     def forward(self, x):
-        return self.fc2(torch.nn.functional.silu(self.fc1(self.norm(x))))
+        a, b = self.fc1(x).chunk(2, dim=-1)
+        return self.fc2(torch.relu(a) * b)
 
 
 def test_inductor_fuses_the_fp8_input_quantization():
     """Under inductor a per-tensor FP8 input quantization is plain ops (``dtq.nn._fused_input``), no
     ``dtq::quantize_input`` call: bitwise the eager model where inductor runs eager's kernels around
-    the GEMMs (ReLU), and bitwise the op's quantization where it fuses the cast into a norm and an
-    activation (whose own values compile differently from eager's). A recipe it does not cover
-    (row-wise scales) keeps the op."""
-    from torch._inductor.decomposition import decompositions
-    from torch._inductor.utils import run_and_get_code
+    the GEMMs (ReLU), also where it fuses the casts of x and dy into relu * mul and its backward,
+    as with the ops kept (the decompositions taken out). A recipe it does not cover (row-wise
+    scales) keeps the op."""
+    from torch._inductor.utils import fresh_cache, run_and_get_code
+
+    from dtq.nn import _fused_input
 
     r = RECIPES["fp8"]()
     x = torch.randn(32, H, generator=torch.Generator().manual_seed(4))
@@ -231,21 +234,62 @@ def test_inductor_fuses_the_fp8_input_quantization():
     assert "float8_e4m3fn" in "".join(code)  # inductor's own cast
     assert not any("torch.ops.dtq.quantize_input" in c for c in code)
 
-    def norm_mlp_step():
+    def gated_step(compiled: bool):
         torch.manual_seed(0)
-        return _step(torch.compile(NormMLP().to(torch.bfloat16)), x.bfloat16(), r)
+        model = dtq.convert(GatedMLP().to(torch.bfloat16))
+        return _step(torch.compile(model) if compiled else model, x.bfloat16(), r)
 
-    fused = norm_mlp_step()
-    op = torch.ops.dtq.quantize_input.default
-    decomposition = decompositions.pop(op)
+    eager = gated_step(False)
+    fused, code = run_and_get_code(gated_step, True)
+    assert not any("torch.ops.dtq.quantize_input" in c or "torch.ops.dtq.quantize_grad" in c for c in code)
+    _fused_input.set_decomposed(False)
     try:
         torch._dynamo.reset()
-        kept = norm_mlp_step()
+        with fresh_cache():  # (the caches key a graph by what dynamo traced, which is the same)
+            kept, code = run_and_get_code(gated_step, True)
     finally:
-        decompositions[op] = decomposition
-    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(fused, kept))
+        _fused_input.set_decomposed(True)
+    ops = "".join(code)
+    assert "torch.ops.dtq.quantize_input" in ops and "torch.ops.dtq.quantize_grad" in ops
+    for got in (fused, kept):
+        assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(got, eager))
 
     torch._dynamo.reset()
     row = RECIPES["fp8_row"]()
     _, code = run_and_get_code(_step, torch.compile(_mlp(False, row)), x, row)
     assert any("torch.ops.dtq.quantize_input" in c for c in code)
+
+
+def test_fp8_quantization_fuses_after_other_compiles(tmp_path):
+    """Inductor copies its decomposition table at its first compile in a process; dtq's entries,
+    added when a dtq module is first traced, must reach compiles after that one too (they did
+    not: a process that compiled anything before its dtq model ran dtq's quantize ops unfused)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    script = textwrap.dedent(
+        """
+        import torch, dtq
+        from torch._inductor.utils import run_and_get_code
+        torch.compile(lambda t: t.sin() + 1)(torch.randn(8))  # an inductor compile before dtq's
+        torch.manual_seed(0)
+        mlp = dtq.convert(torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64)))
+        x = torch.randn(32, 64, requires_grad=True)
+
+        def step():
+            with dtq.autocast(dtq.Float8CurrentScaling()):
+                y = torch.compile(mlp)(x)
+            y.square().sum().backward()
+
+        _, code = run_and_get_code(step)
+        print(sum("torch.ops.dtq.quantize_" in c for c in code))
+        """
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "0", proc.stdout
