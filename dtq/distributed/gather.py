@@ -264,11 +264,14 @@ def high_precision_pre_all_gather(weight: torch.Tensor, data: torch.Tensor, mesh
     derived = ()
     if fallback:
         payloads = quantize_payloads(quantizer, data.detach().to(param_dtype), dirs)
+        _keep_shard(weight, ctx, None, payloads)
     else:
         _check_alignment(ctx, quantizer, dirs, outer_size, world)
         dirs, derived = split_derived(quantizer, dirs, shape_2d(data.shape))
-        # (delayed scaling's amax moves with its history, not with the weight: quantized anew)
-        key = amax_key(weight, data, quantizer, param_dtype) if plan.weight_amax is None else None
+        # (delayed scaling's amax moves with its history, not with the weight, and stochastic
+        # rounding draws anew: quantized anew)
+        reusable = plan.weight_amax is None and not any(quantizer.codec(d).uses_rng() for d in dirs)
+        key = amax_key(weight, data, quantizer, param_dtype) if reusable else None
         payloads = _reused_shard(weight, key, quantizer, dirs) if key is not None else None
         if payloads is None:
             shard = data.detach().to(param_dtype)
@@ -276,8 +279,7 @@ def high_precision_pre_all_gather(weight: torch.Tensor, data: torch.Tensor, mesh
             if plan.weight_amax is not None:
                 amax = plan.weight_amax(amax)
             payloads = quantize_payloads(quantizer, shard, dirs, amax=amax)
-        if key is not None:
-            _keep_shard(weight, ctx, key, payloads)
+        _keep_shard(weight, ctx, key, payloads)
     return _finish(ctx, quantizer, dirs, payloads, outer_size, world, fallback, derived)
 
 
@@ -297,14 +299,17 @@ def _reused_shard(weight, key: tuple, quantizer: Quantizer, dirs) -> dict | None
     return out
 
 
-def _keep_shard(weight, ctx: GatherContext, key: tuple, payloads: dict) -> None:
+def _keep_shard(weight, ctx: GatherContext, key: tuple | None, payloads: dict) -> None:
     """A forward gather that FSDP2 reshards after (``reshard_after_forward=True``) keeps its
-    quantized shard for the backward gather of the same values, which then moves it without
-    quantizing again (per-tensor FP8: the same codes serve dgrad); that gather lets it go. Costs
-    the quantized shard's memory (1/world of the weight's payload bytes) from forward to backward."""
-    if ctx.training_state == "FORWARD" and ctx.reshard_after_forward:
+    quantized shard (``key``: None where it may not be reused) for the backward gather of the
+    same values, which then moves it without quantizing again (per-tensor FP8: the same codes
+    serve dgrad). Every other gather lets it go: the backward one (reused or not: a high-precision
+    backward, delayed scaling), a forward that keeps the weight gathered, an explicit unshard.
+    Costs the quantized shard's memory (1/world of the quantized weight) from forward to backward,
+    and after a forward without backward (evaluation) until the weight's next gather."""
+    if key is not None and ctx.training_state == "FORWARD" and ctx.reshard_after_forward:
         weight.remember_shard(key, payloads)
-    elif ctx.training_state == "PRE_BACKWARD":
+    else:
         weight.remember_shard(None)
 
 

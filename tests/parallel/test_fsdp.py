@@ -400,6 +400,13 @@ def _check_backward_gathers_reuse_the_forward_shard(mesh, x):
             calls.clear()
             y.sum().backward()
         assert len(calls) == 1, calls  # mlp's first weight only (re-quantized); the others reused
+        # every backward gather lets the kept shard go, a high-precision backward's too
+        for recipe in (_recipes()["fp8"], dtq.Float8CurrentScaling(backward_override="high_precision")):
+            model = _shard(_model(), mesh, True)
+            with dtq.autocast(recipe):
+                model(x).sum().backward()
+            kept = [p._local_tensor._shard_cache for p in model.parameters() if p.dim() == 2]
+            assert len(kept) == 4 and all(k is None for k in kept), recipe
     finally:
         gather.quantize_payloads = quantize
 
