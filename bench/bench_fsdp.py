@@ -204,6 +204,7 @@ def main() -> None:
                 "world": world,
                 "params": n_params,
                 "step_ms": step_s * 1e3,
+                "timed_steps_ms": [t * 1e3 for t in times[args.steps // 2 :]],  # the spread, not only the median
                 "tokens_per_s": world * args.batch * args.seq / step_s,
                 "all_gather_mb_per_step": moved.get("all_gathered", 0) / counted / 1e6,
                 "reduce_scatter_mb_per_step": moved.get("reduce_scattered", 0) / counted / 1e6,
@@ -215,7 +216,8 @@ def main() -> None:
                 print(
                     f"{mode:32s} {row['step_ms']:8.1f} ms/step  {row['tokens_per_s']:10,.0f} tok/s  "
                     f"AG {row['all_gather_mb_per_step']:8.1f} MB  RS {row['reduce_scatter_mb_per_step']:8.1f} MB  "
-                    f"peak {row['peak_mem_mib']:7.0f} MiB",
+                    f"peak {row['peak_mem_mib']:7.0f} MiB  (steps {min(row['timed_steps_ms']):.1f}-"
+                    f"{max(row['timed_steps_ms']):.1f} ms)",
                     flush=True,
                 )
             del model, opt, train_step
