@@ -118,6 +118,14 @@ def after_step(model, mode: str) -> None:
         dtq.parallel.precompute_amax(model)
 
 
+def dynamo_counts() -> dict:
+    """What dynamo did during the timed steps: frames it set out to compile and graphs it compiled
+    (a steady step compiles none; a recompile shows here, and a frame past its recompile limit,
+    which dynamo then runs eagerly, warns in the log)."""
+    c = torch._dynamo.utils.counters
+    return {"frames": c["frames"].get("total", 0), "graphs": c["stats"].get("unique_graphs", 0)}
+
+
 def make_step(model, recipe, opt, x, mode: str):
     def train_step():
         with dtq.autocast(recipe, enabled=recipe is not None):
@@ -192,6 +200,7 @@ def main() -> None:
                 if step == args.steps // 2:  # steady state: count the second half only
                     counter.take()
                     dtq.parallel.comm_stats(reset=True)
+                    torch._dynamo.utils.counters.clear()
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 train_step()
@@ -210,6 +219,7 @@ def main() -> None:
                 "reduce_scatter_mb_per_step": moved.get("reduce_scattered", 0) / counted / 1e6,
                 "dtq_comm_stats_mb_per_step": {k: v / counted / 1e6 for k, v in dtq.parallel.comm_stats().items()},
                 "peak_mem_mib": torch.cuda.max_memory_allocated() / 2**20,
+                "dynamo": dynamo_counts(),
             }
             results.append(row)
             if rank == 0:
@@ -217,7 +227,7 @@ def main() -> None:
                     f"{mode:32s} {row['step_ms']:8.1f} ms/step  {row['tokens_per_s']:10,.0f} tok/s  "
                     f"AG {row['all_gather_mb_per_step']:8.1f} MB  RS {row['reduce_scatter_mb_per_step']:8.1f} MB  "
                     f"peak {row['peak_mem_mib']:7.0f} MiB  (steps {min(row['timed_steps_ms']):.1f}-"
-                    f"{max(row['timed_steps_ms']):.1f} ms)",
+                    f"{max(row['timed_steps_ms']):.1f} ms; dynamo {row['dynamo']})",
                     flush=True,
                 )
             del model, opt, train_step
