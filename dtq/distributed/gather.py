@@ -275,7 +275,8 @@ def high_precision_pre_all_gather(weight: torch.Tensor, data: torch.Tensor, mesh
         payloads = _reused_shard(weight, key, quantizer, dirs) if key is not None else None
         if payloads is None:
             shard = data.detach().to(param_dtype)
-            amax = _global_amax(weight, data, quantizer, shard, mesh, ctx.param_name, dirs, key is not None)
+            fused = plan.weight_amax is None  # (one rank: the quantize pass takes the amax itself)
+            amax = _global_amax(weight, data, quantizer, shard, mesh, ctx.param_name, dirs, fused)
             if plan.weight_amax is not None:
                 amax = plan.weight_amax(amax)
             payloads = quantize_payloads(quantizer, shard, dirs, amax=amax)
