@@ -76,20 +76,32 @@ def round_down_pow2(v: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(v), floor_log2(v).to(torch.float32))
 
 
-def per_tensor_scale(amax: torch.Tensor, fmax: float, pow2: bool) -> torch.Tensor:
+def per_tensor_scale(amax: torch.Tensor, fmax: float, pow2: bool, traced: bool = False) -> torch.Tensor:
     """``fmax / amax`` in fp32, 1 where amax is 0 or non-finite, capped at the fp32 max (a tiny
-    amax would otherwise give +inf), optionally rounded down to a power of two."""
+    amax would otherwise give +inf), optionally rounded down to a power of two. ``traced``: for a
+    graph a compiler generates code from, the division in fp64 (see :func:`fp32_quotient`)."""
     amax = amax.to(torch.float32)
     # Six small kernels, not eight: the emulated GEMMs compute this per operand per call, where each
     # launch is host time. NaN and +inf become 0, and every amax not above 0 divides fmax by itself
     # (exactly 1), so the one division gives every case's bits.
     finite = torch.nan_to_num(amax, nan=0.0, posinf=0.0)
     divisor = torch.where(finite > 0, finite, fmax)
-    # new_full: a fill on amax's device (torch.tensor(fmax, device=...) would be a blocking copy)
-    scale = torch.clamp(amax.new_full((), fmax) / divisor, max=FLT_MAX)
+    if traced:
+        scale = fp32_quotient(fmax, divisor)
+    else:
+        # new_full: a fill on amax's device (torch.tensor(fmax, device=...) would be a blocking copy)
+        scale = torch.clamp(amax.new_full((), fmax) / divisor, max=FLT_MAX)
     if pow2:
         scale = round_down_pow2(scale)
     return scale
+
+
+def fp32_quotient(num: float, den: torch.Tensor) -> torch.Tensor:
+    """``num / den`` for fp32 ``den``, correctly rounded to fp32 and capped at the fp32 max, in a form
+    whose bits no compiler changes: the quotient in fp64, rounded once (innocuous double rounding:
+    53 bits hold the 2 * 24 + 2 an exact fp32 quotient's rounding needs). Triton's fp32 division,
+    which inductor emits for ``/``, is approximate."""
+    return torch.clamp(num / den.double(), max=FLT_MAX).float()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -47,6 +47,17 @@ class Float8Codec(Codec):
         data = _bits.cast_fp8(x.float() * scale, q.dtype)
         return {"data": data, "scale_inv": torch.reciprocal(scale)}
 
+    def traced_quantize(self, x: torch.Tensor, amax: torch.Tensor, transposed: bool = False) -> Payload | None:
+        q = self.q
+        if q.pow2_scales:
+            return None
+        scale = _bits.per_tensor_scale(amax, _bits.FP8_MAX[q.dtype], False, traced=True)
+        data = _bits.cast_fp8(x.float() * scale, q.dtype, traced=True)
+        out = {"data": data, "scale_inv": _bits.fp32_quotient(1.0, scale)}  # (scale <= FLT_MAX: no cap)
+        if transposed:
+            out["data_t"] = data.t().contiguous()
+        return out
+
     def kernel_spec(self, shape: tuple[int, int], dtype: torch.dtype) -> kernels.KernelSpec:
         q = self.q
         return kernels.KernelSpec(

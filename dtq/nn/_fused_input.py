@@ -1,15 +1,11 @@
-"""Inductor's decompositions of ``dtq::quantize_input`` and ``dtq::quantize_grad`` for per-tensor FP8:
-the input and gradient quantizations of a planned compiled GEMM call as plain tensor ops, which
-inductor fuses into the kernels around them (the cast into the kernel producing x or dy, the
-transpose beside it) instead of one opaque op per operand with its own launches and host time;
-what torchao's float8 training compiles to.
-
-The ops compute the bits ``Float8Codec.quantize`` defines, in the form a compiler cannot round
-differently: x is taken at its stored precision (a bitcast round trip: inductor would otherwise
-feed its unrounded fp32 intermediate into the cast), and the two divisions (``fmax / amax``,
-``1 / scale``) run in fp64 and round once to fp32, which for fp32 operands is the correctly
-rounded fp32 quotient (Triton's fp32 ``/`` is an approximate division). Any other quantizer,
-layout, a symbolic shape or a GPU older than sm_89 keeps the op (the decomposition returns
+"""Inductor's decompositions of ``dtq::quantize_input`` and ``dtq::quantize_grad``: the input and
+gradient quantizations of a planned compiled GEMM call as plain tensor ops, which inductor fuses
+into the kernels around them (the cast into the kernel producing x or dy, the transpose beside it)
+instead of one opaque op per operand with its own launches and host time; what torchao's float8
+training compiles to. The ops are each codec's ``Codec.traced_quantize`` (per-tensor FP8 today),
+bitwise its ``quantize``; x is taken at its stored precision (a bitcast round trip: inductor would
+otherwise feed its unrounded fp32 intermediate into the cast). A codec without that form, a
+symbolic shape or a GPU older than sm_89 keeps the op (the decomposition returns
 ``NotImplemented``); backends other than inductor keep it too.
 """
 
@@ -18,10 +14,8 @@ from __future__ import annotations
 import torch
 
 from dtq import _bits
-from dtq.formats.float8 import Float8Quantizer
 from dtq.nn import _ops
 
-_FIELDS = frozenset({"data", "data_t", "scale_inv"})
 _registered = False
 
 
@@ -67,7 +61,7 @@ def _quantize_input(x, x_amax, key, need_dgrad, need_wgrad, out_features, w_dtyp
         return NotImplemented
     with _untraced():
         plan = _ops._input_plan(x, key, need_dgrad, need_wgrad, out_features, w_dtype)
-    return _fp8_payloads(plan.qx.q, plan.x_layout, x, x_amax)
+    return _traced_payloads(plan.qx.q, plan.x_layout, x, x_amax)
 
 
 def _quantize_grad(dy, dy_amax, key, need_dgrad, need_wgrad, x_shape, x_dtype, w_dtype):
@@ -75,7 +69,7 @@ def _quantize_grad(dy, dy_amax, key, need_dgrad, need_wgrad, x_shape, x_dtype, w
         return NotImplemented
     with _untraced():
         plan = _ops._grad_plan(dy, key, need_dgrad, need_wgrad, x_shape, x_dtype, w_dtype)
-    return _fp8_payloads(plan.qg.q, plan.g_layout, dy, dy_amax)
+    return _traced_payloads(plan.qg.q, plan.g_layout, dy, dy_amax)
 
 
 def _static(t: torch.Tensor) -> bool:
@@ -89,37 +83,27 @@ def _untraced():
     return disable_proxy_modes_tracing()
 
 
-def _fp8_payloads(q, layout: tuple, x: torch.Tensor, amax: torch.Tensor | None):
+def _traced_payloads(q, layout: tuple, x: torch.Tensor, amax: torch.Tensor | None):
     """The distinct payload tensors of ``layout`` (``LinearPlan``'s) for ``x`` quantized by ``q``
-    with max|x| ``amax``, as plain ops; NotImplemented unless ``q`` is per-tensor FP8."""
-    if type(q) is not Float8Quantizer or q.pow2_scales or not {k for _, k, _ in layout} <= _FIELDS:
-        return NotImplemented
+    with max|x| ``amax``, as the codecs' plain ops (``Codec.traced_quantize``); NotImplemented
+    where a codec has none."""
     if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 9):
-        return NotImplemented  # Triton has no FP8 conversions before sm_89; the op emulates them
+        return NotImplemented  # Triton has no FP8 conversions before sm_89; the ops emulate them
     x2 = x.reshape(-1, x.shape[-1])
     int_dtype = _bits._SAME_SIZE_INT.get(x2.dtype)
     if int_dtype is not None:  # x's stored values (see the module docstring)
         x2 = x2.view(int_dtype).view(x2.dtype)
     if amax is None:
         amax = _bits.stored_amax(x2)
-    scale, scale_inv = _scales(amax, _bits.FP8_MAX[q.dtype])
-    data = _bits.cast_fp8(x2.float() * scale, q.dtype, traced=True)
-    fields = {"data": data, "scale_inv": scale_inv}
-    if any(k == "data_t" for _, k, _ in layout):
-        fields["data_t"] = data.t().contiguous()
+    payloads = {}
+    for d in dict.fromkeys(d for d, _, _ in layout):
+        fields = {k for e, k, _ in layout if e == d}
+        payload = q.codec(d).traced_quantize(x2, amax, transposed="data_t" in fields)
+        if payload is None or not fields <= set(payload):
+            return NotImplemented
+        payloads[d] = payload
     out: list[torch.Tensor] = []
-    for _, k, i in layout:
+    for d, k, i in layout:  # directions sharing a tensor (identical codes) take the first's
         if i == len(out):
-            out.append(fields[k])
+            out.append(payloads[d][k])
     return out
-
-
-def _scales(amax: torch.Tensor, fmax: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scale, 1 / scale)`` as ``_bits.per_tensor_scale`` and ``torch.reciprocal`` give them,
-    each quotient computed in fp64 and rounded once to fp32 (innocuous double rounding: 53 bits
-    hold the 2 * 24 + 2 an exact fp32 quotient's rounding needs)."""
-    amax = amax.to(torch.float32)
-    finite = torch.nan_to_num(amax, nan=0.0, posinf=0.0)
-    divisor = torch.where(finite > 0, finite, fmax).double()
-    scale = torch.clamp(fmax / divisor, max=_bits.FLT_MAX).float()
-    return scale, (1.0 / scale.double()).float()

@@ -207,3 +207,26 @@ def test_float8_bf16_input_and_leading_dims():
     p = dtq.Float8Quantizer().quantize(x).payload("rowwise")
     assert_fp8(p["data"], E4, codes([[0x6E, 0xF6], [0x66, 0x7E]]))
     assert_f32(p["scale_inv"], fp32(f32(1 / 112)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_traced_form_gives_the_quantize_bits(dtype):
+    """``Float8Codec.traced_quantize`` (what inductor compiles in place of the quantize ops, its
+    divisions in fp64) against ``quantize`` on edge amaxes (0, subnormals, NaN, inf, near the fp32
+    max, random bit patterns) and edge values (NaN, inf, saturating, subnormal): the same bits."""
+    from dtq.codec import COLUMNWISE, ROWWISE
+
+    codec = dtq.Float8Quantizer(dtype=dtype).codec(ROWWISE)
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 2**31 - 1, (4000,), generator=g, dtype=torch.int32).view(torch.float32)
+    edges = torch.tensor([0.0, -0.0, 1e-45, 1e-40, 1.1754942e-38, 1.0, 448.0, 3.0e38, 3.4028235e38])
+    edges = torch.cat([edges, torch.tensor([float("nan"), float("inf"), -float("inf")])])
+    x = torch.randn(16, 32, generator=g) * 1e3
+    x[0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-42, -1e30, 0.0])
+    for amax in torch.cat([edges, bits.abs()]):
+        want = codec.quantize(x, amax)
+        got = codec.traced_quantize(x, amax, transposed=True)
+        assert got["data"].view(torch.uint8).equal(want["data"].view(torch.uint8)), amax
+        assert got["scale_inv"].view(torch.int32).equal(want["scale_inv"].view(torch.int32)), amax
+        assert got["data_t"].view(torch.uint8).equal(want["data"].t().contiguous().view(torch.uint8))
+    assert dtq.Float8Quantizer(pow2_scales=True).codec(COLUMNWISE).traced_quantize(x, amax) is None
