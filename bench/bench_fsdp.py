@@ -156,6 +156,41 @@ def profile_mode(args, mode: str, rank: int) -> None:
     torch.cuda.empty_cache()
 
 
+def python_profile(args, mode: str, rank: int, steps: int = 3) -> None:
+    """cProfile of ``mode``'s step on rank 0 (a fresh model, two warm-up steps): the ``--python``
+    functions with the most time of their own and the most inclusive time, ms per step. Backward
+    runs on the calling thread, where cProfile looks; profiling slows Python about twofold."""
+    import cProfile
+    import io
+    import pstats
+
+    model, recipe, opt = build(args, mode)
+    x = torch.randn(args.batch, args.seq, args.hidden, device="cuda", dtype=torch.bfloat16)
+    train_step = make_step(model, recipe, opt, x, mode)
+    with torch.autograd.set_multithreading_enabled(False):
+        for _ in range(2):
+            train_step()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            train_step()
+        torch.cuda.synchronize()
+        prof.disable()
+    if rank == 0:
+        if args.python_dump:
+            os.makedirs(args.python_dump, exist_ok=True)
+            prof.dump_stats(os.path.join(args.python_dump, "".join(c if c.isalnum() else "_" for c in mode) + ".prof"))
+        for key in ("tottime", "cumulative"):
+            out = io.StringIO()
+            stats = pstats.Stats(prof, stream=out)
+            stats.sort_stats(key).print_stats(args.python)
+            print(f"{mode}: Python by {key} ({steps} steps; divide by {steps} for per step)")
+            print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[-12000:])
+    del model, opt, train_step
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=8)
@@ -172,6 +207,10 @@ def main() -> None:
         "--profile", type=int, default=0, metavar="TOP", help="after timing: each mode's TOP kernels, gaps, host"
     )
     p.add_argument("--trace", default="", help="with --profile: a folder for rank 0's host traces (Python stacks)")
+    p.add_argument(
+        "--python", type=int, default=0, metavar="TOP", help="after timing: each mode's TOP Python functions (cProfile)"
+    )
+    p.add_argument("--python-dump", default="", help="with --python: a folder for rank 0's raw pstats files")
     p.add_argument("--out", default="")
     args = p.parse_args()
     if args.compiled_modes:
@@ -235,6 +274,9 @@ def main() -> None:
     if args.profile:  # after every timing: a profiler session slows the launches of the steps after it
         for mode in [r["mode"] for r in results]:
             profile_mode(args, mode, rank)
+    if args.python:
+        for mode in [r["mode"] for r in results]:
+            python_profile(args, mode, rank)
     if rank == 0 and results:
         base = results[0]
         for r in results:

@@ -9,16 +9,15 @@ a torch release moves any of this.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import sys
 import weakref
+from typing import NamedTuple
 
 import torch
 
 
-@dataclasses.dataclass(frozen=True)
-class GatherContext:
+class GatherContext(NamedTuple):  # (a tuple: made on every gather of every weight)
     training_state: str  # "FORWARD", "PRE_BACKWARD", "POST_BACKWARD" or "IDLE"
     reshard_after_forward: bool
     param_name: str  # fully qualified when FSDP2 knows it (after its lazy init), for messages
@@ -62,7 +61,8 @@ def fsdp_holds(local_tensor: torch.Tensor) -> bool:
 
 
 def gather_context(local_tensor: torch.Tensor) -> GatherContext:
-    """Why FSDP2 is gathering ``local_tensor`` right now. The lookup is cached on the tensor."""
+    """Why FSDP2 is gathering ``local_tensor`` right now. The lookup, and the names (which FSDP2
+    sets at its lazy init, before any gather), are cached on the tensor."""
     cached = getattr(local_tensor, "_dtq_fsdp_refs", None)
     group = fsdp_param = None
     if cached is not None:
@@ -74,20 +74,27 @@ def gather_context(local_tensor: torch.Tensor) -> GatherContext:
                 "dtq: this tensor's fsdp_pre_all_gather was called, but no FSDP2 parameter group "
                 "holds it as a sharded parameter (is torch's FSDP2 layout different in this release?)"
             )
-        local_tensor._dtq_fsdp_refs = (weakref.ref(group), weakref.ref(fsdp_param))
-    leaf = fsdp_param._module_info.param_name
-    prefix = group._module_fqn or ""
-    # FSDPParam._param_fqn: the name from the root (set at FSDP2's lazy init); the group's module
-    # name + leaf misses the owning submodule's path (a root group's lm_head.weight: "weight").
-    fqn = getattr(fsdp_param, "_param_fqn", None) or _owner_fqn(fsdp_param, leaf) or f"{prefix}.{leaf}".lstrip(".")
+        cached = None
+    if cached is None or cached[2] is None:
+        leaf = fsdp_param._module_info.param_name
+        prefix = group._module_fqn or ""
+        # FSDPParam._param_fqn: the name from the root (set at FSDP2's lazy init); the group's module
+        # name + leaf misses the owning submodule's path (a root group's lm_head.weight: "weight").
+        known = getattr(fsdp_param, "_param_fqn", None)
+        fqn = known or _owner_fqn(fsdp_param, leaf) or f"{prefix}.{leaf}".lstrip(".")
+        names = (fqn, leaf, prefix) if known else None  # (before the lazy init: looked up again)
+        local_tensor._dtq_fsdp_refs = (weakref.ref(group), weakref.ref(fsdp_param), names)
+        names = names or (fqn, leaf, prefix)
+    else:
+        names = cached[2]
     return GatherContext(
-        training_state=group._training_state.name,
-        reshard_after_forward=bool(group._reshard_after_forward),
-        param_name=fqn,
-        leaf_name=leaf,
-        fsdp_param=fsdp_param,
-        module_name=prefix,
-        post_forward_mesh=bool(group._use_post_forward_mesh),
+        group._training_state.name,
+        bool(group._reshard_after_forward),
+        names[0],
+        names[1],
+        fsdp_param,
+        names[2],
+        bool(group._use_post_forward_mesh),
     )
 
 

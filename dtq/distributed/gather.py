@@ -70,8 +70,7 @@ class GatherPlanner(Protocol):
     def gather_plan(self, ctx: GatherContext, quantizer: Quantizer | None, have: tuple[str, ...]) -> GatherPlan: ...
 
 
-@dataclasses.dataclass(frozen=True)
-class _GatherMeta:
+class _GatherMeta(NamedTuple):  # (a tuple: made on every gather of every weight)
     quantizer: Quantizer
     directions: tuple[str, ...]
     layout: tuple[tuple[str, str], ...]  # (direction, field) of each all-gather input
@@ -103,8 +102,14 @@ def _rows_per_index(full_shape) -> int:
     return shape_2d(full_shape)[0] // max(full_shape[0], 1) if len(full_shape) > 1 else 1
 
 
+_aligned: set = set()  # the (quantizer, directions, shape, world) that passed _check_alignment
+
+
 def _check_alignment(ctx: GatherContext, quantizer: Quantizer, dirs, full_shape, world: int):
     """docs/design.md §5.4: a gathered direction's dim-0 blocks must not straddle two shards."""
+    key = (quantizer, tuple(dirs), tuple(full_shape), world)
+    if key in _aligned:
+        return
     shard_rows = _padded_rows(full_shape, world)
     for d in dirs:
         need = quantizer.block_rows(d)
@@ -117,31 +122,22 @@ def _check_alignment(ctx: GatherContext, quantizer: Quantizer, dirs, full_shape,
                 f"multiple of {need}, a format with smaller {d} blocks for this parameter, or keep its layer out of "
                 f"dtq.convert (dtq.convert(model, recipe=..., fsdp_world={world}) skips and reports such layers)"
             )
+    if len(_aligned) > 4096:
+        _aligned.clear()
+    _aligned.add(key)
 
 
-def _split(quantizer: Quantizer, payloads: dict, dirs) -> tuple[list[torch.Tensor], tuple, dict]:
-    inputs, layout, shared = [], [], {}
-    for d in dirs:
-        for field, rows in quantizer.codec(d).fields().items():
-            t = payloads[d][field]
-            if rows is None:
-                shared[(d, field)] = t
-            else:
-                inputs.append(t.contiguous())
-                layout.append((d, field))
-    return inputs, tuple(layout), shared
-
-
-def _record(quantizer: Quantizer, layout, fields, world: int, moved_bytes: int) -> None:
+def _record(lay: _Layout, fields, world: int, moved_bytes: int) -> None:
     """Bytes all-gathered per direction; any packing slack is charged to the first direction."""
     per_dir: dict[str, int] = {}
-    for (d, _), t in zip(layout, fields):
+    for (d, _), t in zip(lay.layout, fields):
         per_dir[d] = per_dir.get(d, 0) + t.numel() * t.element_size() * world
     if per_dir:
         first = next(iter(per_dir))
         per_dir[first] += moved_bytes - sum(per_dir.values())
-    for d, n in per_dir.items():
-        comm.record(quantizer.for_direction(d).format_name, d, n)
+    for d, name in lay.format_names:
+        if d in per_dir:
+            comm.record(name, d, per_dir[d])
 
 
 def _pack(inputs: list[torch.Tensor], shape) -> torch.Tensor:
@@ -204,51 +200,102 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
-def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, fallback: str | None = None, derived=()):
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """What :func:`_finish` derives from a gather's structure alone (quantizer, directions, full
+    shape, world size), made once per structure: FSDP2 calls the hooks for every weight on every
+    gather, so their host time is on each step's critical path. ``packed``: the fields go into
+    one packed input (:func:`_pack`), built per call."""
+
+    aliases: dict
+    moved: tuple
+    layout: tuple  # (direction, field) of each row-structured field, in input order
+    shared: tuple  # (direction, field) of each per-tensor field (travels in the metadata)
+    rows: tuple  # rows per entry of each row-structured field
+    packed: bool
+    shard_shape: tuple | None  # the padded shard's shape, for an uneven packed gather
+    pad_rows: int
+    format_names: tuple  # (direction, format name) of each moved direction, for comm_stats
+    derived_bytes: tuple  # (format name, direction, bytes) of each derived direction
+
+
+_layouts: dict = {}
+
+
+def _gather_layout(quantizer: Quantizer, dirs: tuple, full_shape, world: int, derived: tuple) -> _Layout:
+    key = (quantizer, dirs, tuple(full_shape), world, derived)
+    found = _layouts.get(key)
+    if found is not None:
+        return found
     aliases = quantizer.aliases(tuple(dirs))
     moved = tuple(d for d in dirs if d not in aliases)
-    inputs, layout, shared = _split(quantizer, payloads, moved)
-    fields = inputs
-    packed = None
+    layout, shared, rows = [], [], []
+    for d in moved:
+        for field, r in quantizer.codec(d).fields().items():
+            if r is None:
+                shared.append((d, field))
+            else:
+                layout.append((d, field))
+                rows.append(r)
     uneven = full_shape[0] % world != 0
-    if uneven or (world == 1 and len(inputs) > 1):
-        # FSDP2's single-rank shortcut copies only the first all-gather input, and with uneven
-        # shards it wants every input in the padded shard's shape: pack all fields into one (a
-        # single field on one rank travels as it is, sparing two copies of the weight).
-        pad_rows = _padded_rows(full_shape, world) * _rows_per_index(full_shape)
+    # FSDP2's single-rank shortcut copies only the first all-gather input, and with uneven shards
+    # it wants every input in the padded shard's shape: such gathers pack all fields into one (a
+    # single field on one rank travels as it is, sparing two copies of the weight).
+    packed = uneven or (world == 1 and len(layout) > 1)
+    pad_rows = _padded_rows(full_shape, world) * _rows_per_index(full_shape)
+    shard2d = (pad_rows, shape_2d(full_shape)[1])
+    found = _Layout(
+        aliases,
+        moved,
+        tuple(layout),
+        tuple(shared),
+        tuple(rows),
+        packed,
+        (_padded_rows(full_shape, world), *full_shape[1:]) if uneven else None,
+        pad_rows,
+        tuple((d, quantizer.for_direction(d).format_name) for d in moved),
+        tuple(
+            (quantizer.for_direction(d).format_name, f"{d}_derived", row_bytes(quantizer, d, shard2d) * world)
+            for d in derived
+        ),
+    )
+    if len(_layouts) > 4096:
+        _layouts.clear()
+    _layouts[key] = found
+    return found
+
+
+def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, fallback: str | None = None, derived=()):
+    lay = _gather_layout(quantizer, tuple(dirs), full_shape, world, tuple(derived))
+    fields = [payloads[d][f].contiguous() for d, f in lay.layout]
+    shared = {k: payloads[k[0]][k[1]] for k in lay.shared}
+    packed = None
+    if lay.packed:
         specs, padded = [], []
-        for (d, field), t in zip(layout, inputs):
-            rows_per_entry = quantizer.codec(d).fields()[field]
-            t = _pad_rows(t, -(-pad_rows // rows_per_entry))
+        for t, rows_per_entry in zip(fields, lay.rows):
+            t = _pad_rows(t, -(-lay.pad_rows // rows_per_entry))
             specs.append((t.dtype, tuple(t.shape), rows_per_entry))
             padded.append(t)
         fields = padded
-        shard_shape = (_padded_rows(full_shape, world), *full_shape[1:]) if uneven else None
-        inputs = [_pack(padded, shard_shape)]
+        inputs = [_pack(padded, lay.shard_shape)]
         packed = (world, specs)
-    dtypes = ()
-    if packed is None:
+        dtypes = ()
+    else:
         # FP8 codes travel as bytes: a group whose inputs are all FP8 would get an FP8 all-gather
         # buffer, which gloo (and any backend without FP8 collectives) rejects.
-        dtypes = tuple(t.dtype for t in inputs)
-        inputs = [as_bytes(t) for t in inputs]
+        dtypes = tuple(t.dtype for t in fields)
+        inputs = [as_bytes(t) for t in fields]
     resize_gather_buffers(ctx, inputs, world)
+    moved_bytes = sum(t.numel() * t.element_size() for t in inputs) * world
     if fallback:
-        dtype = payloads[dirs[0]]["data"].dtype
-        comm.record_fallback(
-            dtype,
-            sum(t.numel() * t.element_size() for t in inputs) * world,
-            ctx.param_name,
-            fallback,
-        )
+        comm.record_fallback(payloads[dirs[0]]["data"].dtype, moved_bytes, ctx.param_name, fallback)
     else:
-        _record(quantizer, layout, fields, world, sum(t.numel() * t.element_size() for t in inputs) * world)
-    shard2d = (_padded_rows(full_shape, world) * _rows_per_index(full_shape), shape_2d(full_shape)[1])
-    for d in derived:
-        comm.record(quantizer.for_direction(d).format_name, f"{d}_derived", row_bytes(quantizer, d, shard2d) * world)
-    return tuple(inputs), _GatherMeta(
-        quantizer, dirs, layout, shared, torch.Size(full_shape), aliases, ctx.param_name, packed, dtypes, derived
-    )
+        _record(lay, fields, world, moved_bytes)
+    for name, what, nbytes in lay.derived_bytes:
+        comm.record(name, what, nbytes)
+    full = torch.Size(full_shape)
+    meta = _GatherMeta(quantizer, dirs, lay.layout, shared, full, lay.aliases, ctx.param_name, packed, dtypes, derived)
+    return tuple(inputs), meta
 
 
 def high_precision_pre_all_gather(weight: torch.Tensor, data: torch.Tensor, mesh, outer_size, module, mp_policy):

@@ -36,6 +36,8 @@ def _unaliased(flat: list, inputs: tuple) -> list:
     passthrough payload) is copied; and they are contiguous, as the fake implementation says.
     Aliasing is sharing a storage: compared by storage address, one lookup per tensor (a pairwise
     ``_is_alias_of`` cost more host time than a small GEMM's kernels)."""
+    if not flat:  # (a planned call given x's payloads and a quantized weight saves nothing)
+        return []
     tensors = []
     for i in inputs:  # a quantized weight (QuantizedData) as its payload tensors
         if isinstance(i, QUANTIZED):
