@@ -126,6 +126,18 @@ def dynamo_counts() -> dict:
     return {"frames": c["frames"].get("total", 0), "graphs": c["stats"].get("unique_graphs", 0)}
 
 
+_ALLOCATOR_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+
+def allocator_counts() -> dict:
+    """The CUDA caching allocator's counters that mean host stalls: cudaMalloc / cudaFree calls
+    (a free synchronizes the device), retries after an out-of-memory (free everything cached, then
+    allocate again) and whole-device synchronizations. A steady step makes none; a step that does
+    waits on the GPU, which shows as a slow step in the spread."""
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k, 0) for k in _ALLOCATOR_KEYS}
+
+
 def make_step(model, recipe, opt, x, mode: str):
     def train_step():
         with dtq.autocast(recipe, enabled=recipe is not None):
@@ -240,6 +252,7 @@ def main() -> None:
                     counter.take()
                     dtq.parallel.comm_stats(reset=True)
                     torch._dynamo.utils.counters.clear()
+                    alloc0 = allocator_counts()
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 train_step()
@@ -259,6 +272,7 @@ def main() -> None:
                 "dtq_comm_stats_mb_per_step": {k: v / counted / 1e6 for k, v in dtq.parallel.comm_stats().items()},
                 "peak_mem_mib": torch.cuda.max_memory_allocated() / 2**20,
                 "dynamo": dynamo_counts(),
+                "allocator": {k: v - alloc0[k] for k, v in allocator_counts().items()},  # over the timed steps
             }
             results.append(row)
             if rank == 0:
@@ -266,7 +280,7 @@ def main() -> None:
                     f"{mode:32s} {row['step_ms']:8.1f} ms/step  {row['tokens_per_s']:10,.0f} tok/s  "
                     f"AG {row['all_gather_mb_per_step']:8.1f} MB  RS {row['reduce_scatter_mb_per_step']:8.1f} MB  "
                     f"peak {row['peak_mem_mib']:7.0f} MiB  (steps {min(row['timed_steps_ms']):.1f}-"
-                    f"{max(row['timed_steps_ms']):.1f} ms; dynamo {row['dynamo']})",
+                    f"{max(row['timed_steps_ms']):.1f} ms; dynamo {row['dynamo']}; allocator {row['allocator']})",
                     flush=True,
                 )
             del model, opt, train_step
