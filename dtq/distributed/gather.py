@@ -208,7 +208,6 @@ class _Layout:
     one packed input (:func:`_pack`), built per call."""
 
     aliases: dict
-    moved: tuple
     layout: tuple  # (direction, field) of each row-structured field, in input order
     shared: tuple  # (direction, field) of each per-tensor field (travels in the metadata)
     rows: tuple  # rows per entry of each row-structured field
@@ -246,7 +245,6 @@ def _gather_layout(quantizer: Quantizer, dirs: tuple, full_shape, world: int, de
     shard2d = (pad_rows, shape_2d(full_shape)[1])
     found = _Layout(
         aliases,
-        moved,
         tuple(layout),
         tuple(shared),
         tuple(rows),

@@ -42,3 +42,41 @@ def _two_dim_mesh(rank, world):
 
 def test_tensor_parallel_layout_takes_a_one_dim_mesh():
     spawn(_two_dim_mesh, 1, backend="gloo")
+
+
+def test_gather_layout_is_made_once_per_structure():
+    """A gather's layout (fields, packing, comm_stats names) is made once per quantizer,
+    directions, shape and world size, and a structure differing in any of them gets its own: one
+    rank packs MXFP8's two row fields into one input (FSDP2's one-rank shortcut copies only the
+    first), two even shards send them apart, three uneven ones pack into the padded shard."""
+    from dtq.distributed.gather import _gather_layout
+
+    q = dtq.MXFP8Quantizer()
+    shape = torch.Size([64, 64])
+    one = _gather_layout(q, (dtq.ROWWISE,), shape, 1, ())
+    assert _gather_layout(dtq.MXFP8Quantizer(), (dtq.ROWWISE,), shape, 1, ()) is one  # equal quantizers share it
+    assert one.packed and one.layout == (("rowwise", "data"), ("rowwise", "scale"))
+    two = _gather_layout(q, (dtq.ROWWISE,), shape, 2, ())
+    assert not two.packed and two.shard_shape is None
+    three = _gather_layout(q, (dtq.ROWWISE,), shape, 3, ())
+    assert three.packed and three.shard_shape == (22, 64) and three.pad_rows == 22
+    both = _gather_layout(q, (dtq.ROWWISE, dtq.COLUMNWISE), shape, 2, ())
+    assert [d for d, _ in both.format_names] == ["rowwise", "columnwise"] and len(both.layout) == 4
+    fp8 = _gather_layout(dtq.Float8Quantizer(), (dtq.ROWWISE, dtq.COLUMNWISE), shape, 2, ())
+    assert fp8.aliases == {"columnwise": "rowwise"} and fp8.layout == (("rowwise", "data"),)
+
+
+def test_a_misaligned_gather_is_refused_every_time():
+    """The alignment check remembers only structures that passed: a shard whose rows split a
+    128-row block raises on every gather, not only the first."""
+    from dtq._torch_private import GatherContext
+    from dtq.distributed.gather import _check_alignment
+
+    ctx = GatherContext("FORWARD", True, "layers.0.fc1.weight", "weight", None)
+    q = dtq.Float8BlockQuantizer()
+    shape = torch.Size([384, 128])  # 192 rows per shard over 2 ranks: not a multiple of 128
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"cannot all-gather layers\.0\.fc1\.weight .* 192 rows"):
+            _check_alignment(ctx, q, (dtq.COLUMNWISE,), shape, 2)
+    _check_alignment(ctx, q, (dtq.COLUMNWISE,), shape, 3)  # 128 rows per shard: fine, and again
+    _check_alignment(ctx, q, (dtq.COLUMNWISE,), shape, 3)
