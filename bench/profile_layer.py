@@ -3,6 +3,7 @@ Llama-3-8B-shaped Linear or SwiGLU MLP under a recipe, the top CUDA kernels and 
 
     python bench/profile_layer.py --recipe fp8 [--layer mlp] [--tokens 8192 --hidden 4096 --ffn 14336]
     python bench/profile_layer.py --recipe fp8 --python     # where the host (Python) time goes
+    python bench/profile_layer.py --recipe fp8 --compile    # the layer under torch.compile
 
 With ``--python`` it reports the host time of a step (launches only, not waiting for the GPU)
 against the GPU time, then cProfile's top functions: a step whose host time exceeds its GPU time
@@ -32,6 +33,7 @@ def main() -> None:
     p.add_argument("--ffn", type=int, default=14336)
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--python", action="store_true", help="host time and cProfile instead of torch.profiler")
+    p.add_argument("--compile", action="store_true", help="torch.compile the layer, as bench_layers.py does")
     args = p.parse_args()
     recipe = None if args.recipe == "bf16" else recipes()[args.recipe]
     if args.layer == "mlp":
@@ -39,6 +41,8 @@ def main() -> None:
     else:
         base = torch.nn.Linear(args.hidden, args.ffn, bias=False, dtype=torch.bfloat16, device="cuda")
     model = base if recipe is None else dtq.convert(base)
+    if args.compile:
+        model = torch.compile(model)
     x = torch.randn(args.tokens, args.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     step = step_fn(model, x, recipe)
     for _ in range(3):
