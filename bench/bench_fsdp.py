@@ -169,9 +169,10 @@ def profile_mode(args, mode: str, rank: int) -> None:
 
 
 def python_profile(args, mode: str, rank: int, steps: int = 3) -> None:
-    """cProfile of ``mode``'s step on rank 0 (a fresh model, two warm-up steps): the ``--python``
-    functions with the most time of their own and the most inclusive time, ms per step. Backward
-    runs on the calling thread, where cProfile looks; profiling slows Python about twofold."""
+    """cProfile of ``steps`` of ``mode``'s steps on every rank (a fresh model, two warm-up steps),
+    printed by rank 0: the ``--python`` functions with the most time of their own and the most
+    inclusive time, seconds over the ``steps``. Backward runs on the calling thread, where cProfile
+    looks; cProfile slows Python several-fold, so read the rows against each other."""
     import cProfile
     import io
     import pstats
