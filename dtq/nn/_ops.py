@@ -14,8 +14,6 @@ recompute, the amax reduction, checkpoint regions) is looked up inside the op wh
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
 from dtq._bits import stored_amax
@@ -23,7 +21,7 @@ from dtq._library import define, forward_op
 from dtq._torch_private import in_backward
 from dtq.formats import COLUMNWISE, ROWWISE
 from dtq.nn import _linear_fn as lf
-from dtq.nn.gemm_state import GemmCall, GemmHandle, GemmSlots, template
+from dtq.nn.gemm_state import GemmCall, GemmHandle, GemmSlots, content_key, template
 from dtq.nn.linear_plan import LinearPlan, shape_plan
 from dtq.tensor import QUANTIZED, QuantizedTensor
 from dtq.tensor_ops import implements
@@ -81,15 +79,6 @@ _weight_keys: dict = {}  # a quantized weight's layout spec -> its key
 _weight_specs: dict = {}  # key -> spec
 
 
-def _layout_key(spec: tuple) -> int:
-    """The key of a quantized weight's layout, from its content: compiled graphs hold it as a
-    constant, and inductor's caches hand a graph to later processes, which must read the same
-    key as the same layout (a number handed out in the order layouts were seen could name another
-    layout there, or none). Nonzero (0: a plain weight), below 2**56 (an int64 in the op's schema)."""
-    digest = hashlib.sha256(repr(spec).encode()).digest()
-    return int.from_bytes(digest[:7], "big") or 1
-
-
 def _weight_fields(weight: QuantizedTensor) -> tuple[list[torch.Tensor], int]:
     """A quantized weight as its payload tensors, one per field, and the key of its layout (format,
     shape, fields). Fields that are one tensor (identical directions) are listed once each: graphs
@@ -98,7 +87,7 @@ def _weight_fields(weight: QuantizedTensor) -> tuple[list[torch.Tensor], int]:
     flat, (spec,) = lf.flatten_saved((weight,), share=False)
     key = _weight_keys.get(spec)
     if key is None:
-        key = _weight_keys[spec] = _layout_key(spec)
+        key = _weight_keys[spec] = content_key(spec)  # (0 stays free: a plain weight)
         if _weight_specs.setdefault(key, spec) != spec:
             other = _weight_specs[key]
             raise RuntimeError(f"dtq: two quantized weight layouts share the key {key}: {spec} and {other}")

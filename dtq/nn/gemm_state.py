@@ -338,7 +338,7 @@ def template_key(recipe_key: int, module_type: str, name: str, suffix: str, gemm
     if key is None:
         recipe = recipe_by_key(recipe_key)
         slots = [Slot(r, recipe.quantizer(r)) for r in gemm_roles(module_type, name + suffix)]
-        key = _template_keys[k] = _content_key((recipe, module_type, name, suffix, gemm, [s.quantizer for s in slots]))
+        key = _template_keys[k] = content_key((recipe, module_type, name, suffix, gemm, [s.quantizer for s in slots]))
         other = _TEMPLATES.get(key)
         if other is not None and (other.recipe, other.quantizers) != (recipe, tuple(s.quantizer for s in slots)):
             raise RuntimeError(f"dtq: two GEMM slot templates share the key {key}: {other.name} and {module_type}")
@@ -346,11 +346,12 @@ def template_key(recipe_key: int, module_type: str, name: str, suffix: str, gemm
     return key
 
 
-def _content_key(content) -> int:
+def content_key(content) -> int:
     """A template's key from what it is and the code that traces it: compiled graphs hold it as a
     constant, the caches that hand graphs to later processes key them by those constants, and a
     graph must reach the same template there (a number handed out in tracing order could name
-    another recipe's) and not outlive dtq's code (:func:`code_fingerprint`). Nonzero, below 2**56."""
+    another recipe's) and not outlive dtq's code (:func:`code_fingerprint`). Nonzero, below 2**56
+    (an int64 in the ops' schemas). Also the key of a quantized weight's layout (``dtq.nn._ops``)."""
     digest = hashlib.sha256(repr((content, code_fingerprint())).encode()).digest()
     return int.from_bytes(digest[:7], "big") or 1
 
