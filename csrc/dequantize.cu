@@ -13,6 +13,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "common.cuh"
 
@@ -163,14 +164,16 @@ __device__ __forceinline__ void column_scales16(const DeqCfg& d, int64_t idx, fl
   }
 }
 
-template <int KIND, bool COLS, typename OutT>
+// I: the index type, 32-bit where M * K fits (the index divisions are then 32-bit: 64-bit ones
+// cost more than the decode of the sixteen elements they place).
+template <int KIND, bool COLS, typename OutT, typename I>
 __global__ void __launch_bounds__(kThreads) dequant_vec16_kernel(DeqCfg d, OutT* __restrict__ out) {
   const float s_enc = KIND == kNVFP4 ? nvfp4_senc(*d.tensor, d.gmax) : 1.f;
   const bool per_tensor = KIND == kFp8Scaled && d.br == 0;
   const float t_scale = per_tensor ? *d.tensor : 0.f;
-  const int64_t kv = d.K / 16, n = d.M * kv;
-  for (int64_t v = int64_t(blockIdx.x) * kThreads + threadIdx.x; v < n; v += int64_t(gridDim.x) * kThreads) {
-    const int64_t r = v / kv, c0 = (v - r * kv) * 16, i0 = r * d.K + c0;
+  const I K = I(d.K), kv = K / 16, n = I(d.M) * kv, br = I(per_tensor ? 1 : d.br), bc = I(d.bc);
+  for (I v = I(blockIdx.x) * kThreads + threadIdx.x; v < n; v += I(gridDim.x) * kThreads) {
+    const I r = v / kv, c0 = (v - r * kv) * 16, i0 = r * K + c0;
     float q[16];
     if constexpr (KIND == kNVFP4) {
       const uint2 packed = *reinterpret_cast<const uint2*>(d.data + (i0 >> 1));
@@ -189,11 +192,11 @@ __global__ void __launch_bounds__(kThreads) dequant_vec16_kernel(DeqCfg d, OutT*
     float vals[16];
     if constexpr (COLS) {
       float s[16];
-      column_scales16<KIND>(d, (r / d.br) * d.K + c0, s);
+      column_scales16<KIND>(d, (r / br) * K + c0, s);
 #pragma unroll
       for (int j = 0; j < 16; ++j) vals[j] = __fmul_rn(q[j], s[j]);
     } else {
-      const float s = per_tensor ? t_scale : scale_value<KIND>(d, (r / d.br) * ((d.K + d.bc - 1) / d.bc) + c0 / d.bc);
+      const float s = per_tensor ? t_scale : scale_value<KIND>(d, (r / br) * ((K + bc - 1) / bc) + c0 / bc);
 #pragma unroll
       for (int j = 0; j < 16; ++j) vals[j] = __fmul_rn(q[j], s);
     }
@@ -290,13 +293,20 @@ void dequantize(const at::Tensor& data, const c10::optional<at::Tensor>& scale, 
   } else if (max_width >= 16 && vec16_ok(d, out)) {
     const int64_t items = d.M * (d.K / 16);
     const unsigned grid = unsigned(std::min<int64_t>((items + kThreads - 1) / kThreads, int64_t(sms) * 16));
+    // 32-bit indices: every element index, and the grid-stride loop's last step past n, fit
+    const bool small = d.M * d.K + int64_t(grid) * kThreads * 16 < (int64_t(1) << 32);
     auto launch = [&](auto kind, auto cols) {
       constexpr int KIND = decltype(kind)::value;
       constexpr bool COLS = decltype(cols)::value;
-      if (bf16)
-        dequant_vec16_kernel<KIND, COLS><<<grid, kThreads, 0, stream>>>(d, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
-      else
-        dequant_vec16_kernel<KIND, COLS><<<grid, kThreads, 0, stream>>>(d, out.data_ptr<float>());
+      auto go = [&](auto* o) {
+        using OutT = std::remove_pointer_t<decltype(o)>;
+        if (small)
+          dequant_vec16_kernel<KIND, COLS, OutT, uint32_t><<<grid, kThreads, 0, stream>>>(d, o);
+        else
+          dequant_vec16_kernel<KIND, COLS, OutT, int64_t><<<grid, kThreads, 0, stream>>>(d, o);
+      };
+      if (bf16) go(reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
+      else go(out.data_ptr<float>());
     };
     auto by_cols = [&](auto kind) {
       if (d.bc == 1) launch(kind, std::true_type{});

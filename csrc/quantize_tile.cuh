@@ -158,19 +158,17 @@ __device__ __forceinline__ uint32_t e2m1_rne_bf(float x) {
 // * 4; at v = 6 they are 0 and the code stays 7. Below 1 the grid is 0, 0.5, 1: as the reference.
 __device__ __forceinline__ uint32_t e2m1_sr_fast(float x, uint32_t r) {
   const uint32_t ax = abs_bits(x);
-  if (ax > 0x7F800000u) return 7;               // NaN -> +6
-  const uint32_t b = ax > 0x40C00000u ? 0x40C00000u : ax;  // min(|x|, 6), on the bits
-  uint32_t m;
-  if (b >= 0x3F800000u) {
-    const uint32_t lo = (b >> 22) - 252u;
-    m = (r >> 8) < ((b & 0x3FFFFFu) << 2) ? lo + 1 : lo;
-  } else {
-    const uint32_t lo = b >= 0x3F000000u;       // 0 or 1 (0.5)
-    const float frac = __fmul_rn(__fsub_rn(u2f(b), lo ? 0.5f : 0.f), 2.f);
-    const float u = __fmul_rn(float(r >> 8), 5.9604644775390625e-08f);  // * 2**-24
-    m = u < frac ? lo + 1 : lo;
-  }
-  return m | ((f2u(x) >> 28) & 8);
+  const uint32_t b = ax > 0x40C00000u ? 0x40C00000u : ax;  // min(|x|, 6), on the bits (NaN: fixed below)
+  const uint32_t hi_lo = (b >> 22) - 252u;
+  const uint32_t hi = (r >> 8) < ((b & 0x3FFFFFu) << 2) ? hi_lo + 1 : hi_lo;
+  const uint32_t lo_lo = b >= 0x3F000000u;       // 0 or 1 (0.5)
+  const float frac = __fmul_rn(__fsub_rn(u2f(b), lo_lo ? 0.5f : 0.f), 2.f);
+  const float u = __fmul_rn(float(r >> 8), 5.9604644775390625e-08f);  // * 2**-24
+  const uint32_t lo = u < frac ? lo_lo + 1 : lo_lo;
+  // Both halves computed, one selected: lanes of a warp hold values on both sides of 1, and a
+  // branch here would run the two halves one after the other.
+  const uint32_t m = b >= 0x3F800000u ? hi : lo;
+  return ax > 0x7F800000u ? 7u : (m | ((f2u(x) >> 28) & 8));  // NaN -> +6
 }
 
 // Scale and multiplier of one block from its amax (bits: the stored scale).
@@ -192,10 +190,25 @@ __device__ __forceinline__ float block_params(const SlotCfg& s, float bam, float
 }
 
 // idx: the element's flat index mod 2**32 (all the counter hash reads of it), in 32-bit arithmetic.
-__device__ __forceinline__ uint32_t fp4_code(float v, float mult, bool sr, uint32_t key, uint32_t idx) {
+// SR is a compile-time choice: callers branch once per row or column on the slot's flag (uniform
+// over the warp), so no lane computes the rounding it does not use.
+template <bool SR>
+__device__ __forceinline__ uint32_t fp4_code(float v, float mult, uint32_t key, uint32_t idx) {
   const float y = __fmul_rn(v, mult);
-  const uint32_t c = sr ? e2m1_sr_fast(y, hash32(idx ^ key)) : e2m1_rne_bf(y);
+  uint32_t c;
+  if constexpr (SR) c = e2m1_sr_fast(y, hash32(idx ^ key));
+  else c = e2m1_rne_bf(y);
   return mult == 0.f ? 0u : c;  // s_b == 0: the whole block is code 0
+}
+
+// The eight FP4 codes (4 bits each, the first in the low bits) of values v(j) with multipliers
+// mult(j) at flat indices idx + j.
+template <bool SR, typename VFn, typename MultFn>
+__device__ __forceinline__ uint32_t fp4_codes8(VFn v, MultFn mult, uint32_t key, uint32_t idx) {
+  uint32_t w = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) w |= fp4_code<SR>(v(j), mult(j), key, idx + j) << (4 * j);
+  return w;
 }
 
 __device__ __forceinline__ uint32_t identity_bits(float v, int od) {
@@ -224,10 +237,8 @@ __device__ __forceinline__ void store_row(const SlotCfg& s, const Regs<T>& d, in
   if constexpr (S::kind == kFp8Scaled || S::kind == kMXFP8 || S::kind == kFp8Row) {
     *reinterpret_cast<uint2*>(reinterpret_cast<uint8_t*>(s.data) + off) = fp8_codes8(d, i, mult, s.e5m2);
   } else if constexpr (S::kind == kNVFP4) {
-    uint32_t w = 0;
-    const bool sr = s.sr;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) w |= fp4_code(d.f(i, j), mult(j), sr, key, uint32_t(off) + j) << (4 * j);
+    auto v = [&](int j) { return d.f(i, j); };
+    const uint32_t w = s.sr ? fp4_codes8<true>(v, mult, key, uint32_t(off)) : fp4_codes8<false>(v, mult, key, uint32_t(off));
     *reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(s.data) + off / 2) = w;
   } else if constexpr (S::kind == kIdentity) {
     const int od = s.out_dtype;
@@ -541,9 +552,14 @@ __device__ __forceinline__ void do_slot(const SlotCfg& s, const SlotConst& c, co
           bits[j] = sb;
           f = nvfp4_factor(sb, se);
         }
+        const uint32_t idx = uint32_t(row0) * uint32_t(K) + uint32_t(col) + j;  // of row i: + i * K
+        if (sr) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i)
-          codes[i] |= fp4_code(v[i], f, sr, c.key, uint32_t(row0 + i) * uint32_t(K) + uint32_t(col) + j) << (4 * j);
+          for (int i = 0; i < 8; ++i) codes[i] |= fp4_code<true>(v[i], f, c.key, idx + uint32_t(i) * uint32_t(K)) << (4 * j);
+        } else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) codes[i] |= fp4_code<false>(v[i], f, c.key, 0u) << (4 * j);
+        }
       }
       if (row0 < M && cok) {
         if (h == 0) store_scales8<kNVFP4>(s, (row0 / 16) * K + col, bits);

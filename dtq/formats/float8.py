@@ -55,7 +55,7 @@ class Float8Codec(Codec):
         data = _bits.cast_fp8(x.float() * scale, q.dtype, traced=True)
         out = {"data": data, "scale_inv": _bits.fp32_quotient(1.0, scale)}  # (scale <= FLT_MAX: no cap)
         if transposed:
-            out["data_t"] = data.t().contiguous()
+            out["data_t"] = kernels.transposed_codes(data)
         return out
 
     def kernel_spec(self, shape: tuple[int, int], dtype: torch.dtype) -> kernels.KernelSpec:

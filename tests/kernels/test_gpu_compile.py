@@ -161,5 +161,7 @@ def test_inductor_fuses_the_fp8_input_quantization_on_cuda():
     want = _step(_model(), _x(), r, 3)
     got, code = run_and_get_code(_step, torch.compile(_model(), fullgraph=True), _x(), r, 3)
     assert not any("torch.ops.dtq.quantize_input" in c for c in code)
+    # The transposed codes dgrad and wgrad read come from the tiled kernel, not inductor's copy.
+    assert any("torch.ops.dtq.transposed_codes" in c for c in code)
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), i

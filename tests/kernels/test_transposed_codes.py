@@ -78,3 +78,18 @@ def test_on_the_cpu_the_option_changes_nothing():
     got, want = plan(x, {}, None), q.quantize(x)
     assert set(got[COLUMNWISE]) == {"data", "scale_inv"}
     assert torch.equal(_bits(got[ROWWISE]["data"]), _bits(want.payload(ROWWISE)["data"]))
+
+
+@pytest.mark.parametrize("shape", [(32, 48), (1, 16), (16, 1)])
+def test_transposed_codes_op_is_a_fresh_transposed_copy(shape):
+    """``dtq::transposed_codes`` (what compiled graphs call for ``data_t``): the transposed codes,
+    contiguous and never aliasing its input (a [1, K] transpose is a view, so the op copies), with
+    a fake implementation torch's op checks accept (uint8: the CPU checks cannot do FP8 arithmetic)."""
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    torch.library.opcheck(torch.ops.dtq.transposed_codes.default, (codes,))
+    x = codes.view(torch.float8_e4m3fn)
+    t = kernels.transposed_codes(x)
+    assert t.shape == (shape[1], shape[0]) and t.is_contiguous() and t.dtype == x.dtype
+    assert t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    assert torch.equal(_bits(t), _bits(x.t()))
