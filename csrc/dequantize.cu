@@ -131,6 +131,11 @@ __global__ void __launch_bounds__(kThreads) dequant_vec8_kernel(DeqCfg d, OutT* 
   }
 }
 
+// An E8M0 scale byte's value, branch-free: exp2i(b - 127) (2**-127, the one subnormal, at 0), NaN at 0xFF.
+__device__ __forceinline__ float e8m0_value(uint32_t b) {
+  return u2f(b == 0xFFu ? kCanonicalNaN : (b ? b << 23 : 0x00400000u));
+}
+
 // Sixteen consecutive elements of one row per thread, the format and the block orientation fixed
 // at compile time (no per-element branches or divisions): 16-byte FP8 / 8-byte FP4 code loads,
 // 32- or 64-byte stores. Row blocks (COLS false: bc a multiple of 16, or one scale per tensor)
@@ -140,13 +145,48 @@ template <int KIND>
 __device__ __forceinline__ float scale_value(const DeqCfg& d, int64_t idx) {
   if constexpr (KIND == kFp8Scaled) return reinterpret_cast<const float*>(d.scale)[idx];
   const uint8_t b = reinterpret_cast<const uint8_t*>(d.scale)[idx];
-  if constexpr (KIND == kMXFP8) return b == 0xFF ? u2f(kCanonicalNaN) : exp2i(int(b) - 127);
+  if constexpr (KIND == kMXFP8) return e8m0_value(b);
   return e4m3_value(b);
+}
+
+// Four E4M3 bytes (the first in the low byte) as floats, two per conversion instruction: exactly
+// e4m3_value's numbers. Its NaN bytes (0x7F, 0xFF) become some NaN here, not kCanonicalNaN; every
+// caller multiplies the value first, and a product with a NaN operand is the canonical NaN.
+__device__ __forceinline__ void e4m3x4_values(uint32_t w, float* out) {
+#pragma unroll
+  for (int p = 0; p < 2; ++p) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w >> (16 * p)), __NV_E4M3);
+    const float2 f = __half22float2(__half2(h));
+    out[2 * p] = f.x;
+    out[2 * p + 1] = f.y;
+  }
+}
+
+// The values of eight E2M1 codes (4 bits each, the first in the low bits): each magnitude's E4M3
+// byte looked up four at a time (byte_perm over the table 0, 0.5, 1, 1.5, 2, 3, 4, 6), the code's
+// sign bit moved to its byte's sign bit, then converted; exactly e2m1_magnitude with the sign
+// applied (code 8 is -0).
+__device__ __forceinline__ void e2m1x8_values(uint32_t w, float (&q)[8]) {
+  constexpr uint32_t kLo = 0x3C383000u, kHi = 0x4C484440u;  // E4M3 bytes of magnitudes 0-3, 4-7
+#pragma unroll
+  for (int p = 0; p < 2; ++p) {
+    const uint32_t codes = (w >> (16 * p)) & 0xFFFFu;  // four codes
+    const uint32_t mag = __byte_perm(kLo, kHi, codes & 0x7777u);
+    // each code's nibble into the low half of its own byte, then bit 3 -> bit 7
+    const uint32_t spread = (codes & 0xFu) | ((codes & 0xF0u) << 4) | ((codes & 0xF00u) << 8) | ((codes & 0xF000u) << 12);
+    e4m3x4_values(mag | ((spread & 0x08080808u) << 4), &q[4 * p]);
+  }
 }
 
 template <int KIND>
 __device__ __forceinline__ void column_scales16(const DeqCfg& d, int64_t idx, float (&s)[16]) {
-  if constexpr (KIND == kFp8Scaled) {
+  if constexpr (KIND == kNVFP4) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(reinterpret_cast<const uint8_t*>(d.scale) + idx);
+    e4m3x4_values(raw.x, &s[0]);
+    e4m3x4_values(raw.y, &s[4]);
+    e4m3x4_values(raw.z, &s[8]);
+    e4m3x4_values(raw.w, &s[12]);
+  } else if constexpr (KIND == kFp8Scaled) {
     const float4* p = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(d.scale) + idx);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
@@ -158,7 +198,7 @@ __device__ __forceinline__ void column_scales16(const DeqCfg& d, int64_t idx, fl
     const uint8_t* b = reinterpret_cast<const uint8_t*>(&raw);
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      if constexpr (KIND == kMXFP8) s[j] = b[j] == 0xFF ? u2f(kCanonicalNaN) : exp2i(int(b[j]) - 127);
+      if constexpr (KIND == kMXFP8) s[j] = e8m0_value(b[j]);
       else s[j] = e4m3_value(b[j]);
     }
   }
@@ -177,17 +217,18 @@ __global__ void __launch_bounds__(kThreads) dequant_vec16_kernel(DeqCfg d, OutT*
     float q[16];
     if constexpr (KIND == kNVFP4) {
       const uint2 packed = *reinterpret_cast<const uint2*>(d.data + (i0 >> 1));
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const uint32_t code = ((j < 8 ? packed.x : packed.y) >> (4 * (j & 7))) & 0xF;
-        const float m = e2m1_magnitude(code & 7);
-        q[j] = (code & 8) ? -m : m;
-      }
-    } else {
+      e2m1x8_values(packed.x, *reinterpret_cast<float(*)[8]>(&q[0]));
+      e2m1x8_values(packed.y, *reinterpret_cast<float(*)[8]>(&q[8]));
+    } else {  // fp8_value's conversions, two codes per instruction
       const uint4 codes = *reinterpret_cast<const uint4*>(d.data + i0);
-      const uint8_t* b = reinterpret_cast<const uint8_t*>(&codes);
+      const uint16_t* pairs = reinterpret_cast<const uint16_t*>(&codes);
+      const __nv_fp8_interpretation_t kind = d.e5m2 ? __NV_E5M2 : __NV_E4M3;
 #pragma unroll
-      for (int j = 0; j < 16; ++j) q[j] = fp8_value(b[j], d.e5m2);
+      for (int p = 0; p < 8; ++p) {
+        const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pairs[p], kind)));
+        q[2 * p] = f.x;
+        q[2 * p + 1] = f.y;
+      }
     }
     float vals[16];
     if constexpr (COLS) {
