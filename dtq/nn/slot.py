@@ -10,7 +10,6 @@ import weakref
 
 import torch
 
-from dtq import kernels
 from dtq._torch_private import checkpoint_region
 from dtq.codec import COLUMNWISE, ROWWISE, shape_2d
 from dtq.distributed import tp
@@ -40,7 +39,7 @@ class Slot:
     def _delayed_amax(self, x: torch.Tensor, replay: bool, group=None, sync=None) -> torch.Tensor:
         if replay and (amax := self.replayed_amax()) is not None:
             return amax
-        cur = _tensor_amax(x.detach())
+        cur = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
         if group is not None:  # a sequence-parallel shard: the history tracks the whole tensor
             torch.distributed.all_reduce(cur, op=torch.distributed.ReduceOp.MAX, group=group)
         return self.delayed_amax(cur, sync)
@@ -57,12 +56,9 @@ class Slot:
             past = torch.zeros((), dtype=hist.dtype, device=hist.device)
         else:
             past = shared[0] if self.most_recent else shared.amax()
-        amax = torch.where(past > 0, past, cur.to(hist.device))  # first step: current
-        if self.margin:
-            amax = amax * (2.0**self.margin)
-        # the history moves one place and takes cur first: one cat and one copy (host time: this
-        # runs for every quantized tensor of every call)
-        hist.copy_(torch.cat((cur.reshape(1).to(device=hist.device, dtype=hist.dtype), hist[:-1])))
+        amax = torch.where(past > 0, past, cur.to(hist.device)) * (2.0**self.margin)  # first step: current
+        hist.copy_(torch.roll(hist, 1))
+        hist[0] = cur
         if sync is not None:  # dtq.autocast(amax_group=...): entry 0 is reduced over the group later
             sync.add(hist)
         self.last_amax = amax
@@ -138,17 +134,6 @@ class Slot:
             )
         except ValueError as e:
             raise ValueError(f"{self.role}: {e}") from None
-
-
-def _tensor_amax(x: torch.Tensor) -> torch.Tensor:
-    """max|x| over the whole tensor, 0-dim fp32: on a GPU with dtq's kernels one read of x (no
-    ``abs`` copy, one launch); else torch's reduction. The same value either way (a maximum rounds
-    nothing; a NaN stays a NaN)."""
-    if not x.numel():
-        return torch.zeros((), device=x.device)
-    if x.is_cuda and x.dtype in kernels.INPUT_DTYPES and x.is_contiguous() and kernels.available(x.device):
-        return kernels.amax(x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1), True, None)[0]
-    return x.abs().amax().float()
 
 
 def _scales_from_tensor_amax(codec, shape: tuple[int, int]) -> bool:
