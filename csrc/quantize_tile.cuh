@@ -149,9 +149,9 @@ __device__ __forceinline__ uint32_t e2m1_rne_bf(float x) {
   return m | s;
 }
 
-// _bits.e2m1_encode_stochastic (common.cuh's e2m1_sr) on the fp32 bits, without compares over the
-// grid or an int-to-float conversion where |x| >= 1 (this encode bounds the NVFP4 kernels, which
-// are instruction-bound on sm_90). v = min(|x|, 6). From 1 up the grid has one mantissa bit: the
+// _bits.e2m1_encode_stochastic (common.cuh's e2m1_sr) on the fp32 bits, its result from 1 up taking
+// no compares over the grid and no int-to-float conversion (this encode bounds the NVFP4 kernels,
+// which are instruction-bound on sm_90). v = min(|x|, 6). From 1 up the grid has one mantissa bit: the
 // lower grid code is (bits >> 22) - 252 (2..7), and the fraction of the way to the next grid
 // point, (v - glo) / spacing (exact), is the remaining 22 mantissa bits over 2**22, so the
 // reference's u < frac with u = (r >> 8) * 2**-24 is the integer compare (r >> 8) < those bits
