@@ -1,12 +1,13 @@
 """Inductor's decompositions of ``dtq::quantize_input`` and ``dtq::quantize_grad``: the input and
 gradient quantizations of a planned compiled GEMM call as plain tensor ops, which inductor fuses
-into the kernels around them (the cast into the kernel producing x or dy, the transpose beside it)
-instead of one opaque op per operand with its own launches and host time; what torchao's float8
-training compiles to. The ops are each codec's ``Codec.traced_quantize`` (per-tensor FP8 today),
-bitwise its ``quantize``; x is taken at its stored precision (a bitcast round trip: inductor would
-otherwise feed its unrounded fp32 intermediate into the cast). A codec without that form, a
-symbolic shape or a GPU older than sm_89 keeps the op (the decomposition returns
-``NotImplemented``); backends other than inductor keep it too.
+into the kernels around them (the cast into the kernel producing x or dy; transposed codes come
+from dtq's tiled kernel, ``dtq::transposed_codes``) instead of one opaque op per operand with its
+own launches and host time; what torchao's float8 training compiles to. The ops are each codec's
+``Codec.traced_quantize`` (per-tensor FP8 today), bitwise its ``quantize``; x is taken at its
+stored precision (a bitcast round trip: inductor would otherwise feed its unrounded fp32
+intermediate into the cast). A codec without that form, a symbolic shape or a GPU older than
+sm_89 keeps the op (the decomposition returns ``NotImplemented``); backends other than inductor
+keep it too.
 """
 
 from __future__ import annotations

@@ -273,11 +273,10 @@ def test_dequantize_matches_reference(name, shape):
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equal (the sign of zero included), NaN where the other is NaN (payloads aside)."""
-    nan = torch.isnan(a)
-    if not torch.equal(nan, torch.isnan(b)):
+    nan = torch.isnan(a).cpu()
+    if not torch.equal(nan, torch.isnan(b).cpu()):
         return False
-    ints = {4: torch.int32, 2: torch.int16}[a.element_size()]
-    return torch.equal(a.view(ints)[~nan], b.view(ints)[~nan])
+    return torch.equal(_bits(a)[~nan], _bits(b)[~nan])
 
 
 @needs_cuda
