@@ -5,11 +5,18 @@
 //
 // Axis amax pass (FP8 row-wise scaling): max|x| of every row ([M]) and/or every column ([K]) from
 // one read, for the fused kernel's kFp8Row slots, whose scales span more than one tile.
+//
+// Delayed scaling's history step (the reference is dtq/nn/slot.py, history_step): the scale's amax
+// from an amax history and the history's shift, one launch instead of about ten small torch ops
+// per quantized tensor and step; with x given, x's own max|x| (the history's new entry) first.
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+
+#include <vector>
 
 #include "common.cuh"
 
@@ -17,6 +24,7 @@ namespace dtq {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int64_t kMaxHistory = 8192;  // fp32 entries: 32 KiB of dynamic shared memory (of 48 KiB)
 
 __device__ __forceinline__ void block_max_atomic(uint32_t v, uint32_t* out) {
   __shared__ uint32_t part[kThreads / 32];
@@ -158,6 +166,44 @@ __global__ void __launch_bounds__(kThreads) axis_amax_kernel(const T* __restrict
   }
 }
 
+// One CTA. past = hist[skip] (most_recent) or max(hist[skip:]) (0 when empty, NaN when any entry is,
+// as torch.amax); amax = (past > 0 ? past : cur) * factor; then the history moves one place towards
+// its end and takes cur at [0]. The old entries are staged in shared memory, so no shifted value is
+// read after it was written.
+__global__ void __launch_bounds__(kThreads) history_kernel(float* hist, int n, int skip, const float* cur,
+                                                            float* out, int most_recent, float factor) {
+  extern __shared__ float old[];
+  __shared__ uint32_t part[kThreads / 32];
+  uint32_t m = 0u;
+  int nan = 0;
+  for (int i = threadIdx.x; i < n; i += kThreads) {
+    const float v = hist[i];
+    old[i] = v;
+    if (i >= skip) {
+      if (is_nan(v)) nan = 1;
+      else if (v > 0.f) m = umax(m, f2u(v));  // positive floats order as their bits
+    }
+  }
+  nan = __syncthreads_or(nan);
+  m = __reduce_max_sync(0xFFFFFFFFu, m);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = m;
+  __syncthreads();
+  const float c = *cur;
+  if (threadIdx.x == 0) {
+    float past;
+    if (most_recent) {
+      past = skip < n ? old[skip] : 0.f;
+    } else {
+      uint32_t b = 0u;
+#pragma unroll
+      for (int w = 0; w < kThreads / 32; ++w) b = umax(b, part[w]);
+      past = nan ? u2f(kCanonicalNaN) : u2f(b);
+    }
+    *out = __fmul_rn(past > 0.f ? past : c, factor);
+  }
+  for (int i = threadIdx.x; i < n; i += kThreads) hist[i] = i == 0 ? c : old[i - 1];
+}
+
 int grid_for(int64_t work) {
   const int sms = sm_count();
   int64_t g = (work + kThreads - 1) / kThreads;
@@ -238,6 +284,46 @@ void amax(const at::Tensor& x, const at::Tensor& out, bool want_x, int64_t signs
     case at::kHalf: launch<__half>(x, o, want_x, signs); break;
     default: TORCH_CHECK(false, "dtq kernels: unsupported input dtype ", x.scalar_type());
   }
+}
+
+// hist: the fp32 history (at most kMaxHistory entries), updated in place. x (a contiguous 2-D CUDA
+// tensor): its max|x| is the new entry; else cur (fp32, one element) is. Returns {amax, new entry}.
+std::vector<at::Tensor> delayed_amax(const c10::optional<at::Tensor>& x, const c10::optional<at::Tensor>& cur,
+                                     const at::Tensor& hist, int64_t skip, bool most_recent, double factor) {
+  TORCH_CHECK(hist.is_cuda() && hist.scalar_type() == at::kFloat && hist.dim() == 1 && hist.is_contiguous() &&
+                  hist.numel() <= kMaxHistory,
+              "dtq kernels: an amax history is a contiguous fp32 CUDA vector of at most ", kMaxHistory, " entries");
+  TORCH_CHECK(x.has_value() != cur.has_value(), "dtq kernels: delayed_amax takes x or cur");
+  const c10::cuda::CUDAGuard guard(hist.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor buf = at::empty({2}, hist.options());  // [0]: max|x| (from x), [1]: the amax
+  const float* c;
+  if (x.has_value()) {
+    TORCH_CHECK(x->is_cuda() && x->dim() == 2 && x->is_contiguous() && x->device() == hist.device(),
+                "dtq kernels: x must be a contiguous 2-D CUDA tensor on the history's device");
+    uint32_t* o = reinterpret_cast<uint32_t*>(buf.data_ptr());
+    C10_CUDA_CHECK(cudaMemsetAsync(o, 0, sizeof(uint32_t), stream));
+    if (x->numel() > 0) {
+      switch (x->scalar_type()) {
+        case at::kFloat: launch<float>(*x, o, true, -1); break;
+        case at::kBFloat16: launch<__nv_bfloat16>(*x, o, true, -1); break;
+        case at::kHalf: launch<__half>(*x, o, true, -1); break;
+        default: TORCH_CHECK(false, "dtq kernels: unsupported input dtype ", x->scalar_type());
+      }
+    }
+    c = buf.data_ptr<float>();
+  } else {
+    TORCH_CHECK(cur->is_cuda() && cur->scalar_type() == at::kFloat && cur->numel() == 1 &&
+                    cur->device() == hist.device(),
+                "dtq kernels: cur is one fp32 element on the history's device");
+    c = cur->data_ptr<float>();
+  }
+  const int n = int(hist.numel());
+  const int k = int(skip < 0 ? 0 : (skip > n ? n : skip));
+  history_kernel<<<1, kThreads, size_t(n) * sizeof(float), stream>>>(
+      hist.data_ptr<float>(), n, k, c, buf.data_ptr<float>() + 1, most_recent ? 1 : 0, float(factor));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {buf.select(0, 1), x.has_value() ? buf.select(0, 0) : cur->reshape({})};
 }
 
 }  // namespace dtq

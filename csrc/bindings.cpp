@@ -9,6 +9,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "nothing launched, run the reference");
   m.def("amax", &dtq::amax, "Tensor-wide max|x| and/or max|T x| (16-row Hadamard) into int32[2] bit patterns");
   m.def("axis_amax", &dtq::axis_amax, "max|x| of every row and/or every column into int32 bit patterns");
+  m.def("delayed_amax", &dtq::delayed_amax,
+        "Delayed scaling's amax from an fp32 history, which then shifts and takes max|x| (or cur) as its newest entry");
   m.def("dequantize", &dtq::dequantize, "One direction payload back to [M, K] values");
   m.def("transpose_u8", &dtq::transpose_u8, "Contiguous [K, M] copy of a 1-byte [M, K] matrix");
   m.def("swiglu_forward", &dtq::swiglu_forward, "silu(gate) * up of a [T, 2F] gate/up tensor into [T, F] (and max|h| bits)");

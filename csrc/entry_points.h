@@ -12,6 +12,8 @@ bool quantize_fused(const at::Tensor& x, const std::vector<int64_t>& cfg_a, cons
                     const std::vector<at::Tensor>& outs_b, const c10::optional<at::Tensor>& amax_b,
                     const c10::optional<at::Tensor>& seed);
 void amax(const at::Tensor& x, const at::Tensor& out, bool want_x, int64_t signs);
+std::vector<at::Tensor> delayed_amax(const c10::optional<at::Tensor>& x, const c10::optional<at::Tensor>& cur,
+                                     const at::Tensor& hist, int64_t skip, bool most_recent, double factor);
 void axis_amax(const at::Tensor& x, const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& cols);
 void dequantize(const at::Tensor& data, const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& tensor,
                 const std::vector<int64_t>& cfg, const at::Tensor& out);

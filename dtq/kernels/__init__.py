@@ -313,6 +313,25 @@ def amax(x: torch.Tensor, want_x: bool, hadamard_signs: int | None) -> tuple[tor
     return f[0], f[1]
 
 
+MAX_HISTORY = 8192  # the longest amax history delayed_amax takes (csrc/amax.cu kMaxHistory)
+
+
+def delayed_amax(
+    hist: torch.Tensor,
+    x: torch.Tensor | None,
+    cur: torch.Tensor | None,
+    skip: int,
+    most_recent: bool,
+    factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(amax, entry)``: delayed scaling's step of the contiguous fp32 CUDA history ``hist`` (at
+    most ``MAX_HISTORY`` entries) in one call and launch (``dtq.nn.slot.history_step`` is the
+    reference, bit for bit): the scale's amax from ``hist[skip:]``, then ``hist`` shifts and takes
+    ``entry`` at [0]: max|x| of the contiguous 2-D ``x`` (one more launch), else ``cur``."""
+    amax, entry = extension().delayed_amax(x, cur, hist, int(skip), bool(most_recent), float(factor))
+    return amax, entry
+
+
 def axis_amax(x: torch.Tensor, rows: bool, cols: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(max|x| per row [M], max|x| per column [K])`` as fp32 from one read of the [M, K] CUDA
     tensor ``x``; each None unless asked for. NaN propagates (not canonicalized)."""

@@ -10,11 +10,13 @@ import weakref
 
 import torch
 
+from dtq import kernels
 from dtq._torch_private import checkpoint_region
 from dtq.codec import COLUMNWISE, ROWWISE, shape_2d
 from dtq.distributed import tp
 from dtq.formats import Quantizer
 from dtq.recipe import QuantizerRole
+from dtq.weights import unwrap
 
 
 @dataclasses.dataclass
@@ -35,36 +37,43 @@ class Slot:
         default_factory=weakref.WeakKeyDictionary, repr=False, compare=False
     )
 
-    @torch.no_grad()
     def _delayed_amax(self, x: torch.Tensor, replay: bool, group=None, sync=None) -> torch.Tensor:
         if replay and (amax := self.replayed_amax()) is not None:
             return amax
-        cur = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
-        if group is not None:  # a sequence-parallel shard: the history tracks the whole tensor
-            torch.distributed.all_reduce(cur, op=torch.distributed.ReduceOp.MAX, group=group)
-        return self.delayed_amax(cur, sync)
+        x = unwrap(x)  # a weight wrapper's data: the kernel needs a plain tensor, the ops run faster on one
+        if group is None:
+            return self._history_step(sync, x=x)
+        cur = _abs_max(x)  # a sequence-parallel shard: the history tracks the whole tensor
+        torch.distributed.all_reduce(cur, op=torch.distributed.ReduceOp.MAX, group=group)
+        return self._history_step(sync, cur=cur)
 
-    @torch.no_grad()
     def delayed_amax(self, cur: torch.Tensor, sync=None) -> torch.Tensor:
         """The delayed-scaling amax for a tensor whose current amax (over the whole tensor) is
         ``cur``: from the history, which then takes ``cur`` as its newest entry."""
+        return self._history_step(sync, cur=cur)
+
+    def _history_step(self, sync, x: torch.Tensor | None = None, cur: torch.Tensor | None = None) -> torch.Tensor:
+        """The amax from this slot's history, which then takes max|x| (or ``cur``) as its newest
+        entry; one kernel launch where the tensors allow, else :func:`history_step`'s torch ops."""
         hist = getattr(self.owner(), self.history)  # looked up each time: .to()/.cuda() replace buffers
         # Under autocast(amax_group=...), the newest entries of this region are local until the
         # flush: the scale comes from the shared ones before them (zeros if none are left).
-        shared = hist[sync.pending(hist) :] if sync is not None else hist
-        if shared.numel() == 0:
-            past = torch.zeros((), dtype=hist.dtype, device=hist.device)
+        skip = sync.pending(hist) if sync is not None else 0
+        factor = 2.0**self.margin
+        x2d = _history_kernel_input(hist, x, cur)
+        if x2d is not False:
+            amax, _ = kernels.delayed_amax(hist, x2d, cur, skip, self.most_recent, factor)
         else:
-            past = shared[0] if self.most_recent else shared.amax()
-        amax = torch.where(past > 0, past, cur.to(hist.device)) * (2.0**self.margin)  # first step: current
-        hist.copy_(torch.roll(hist, 1))
-        hist[0] = cur
+            amax = history_step(hist, _abs_max(x) if x is not None else cur, skip, self.most_recent, factor)
         if sync is not None:  # dtq.autocast(amax_group=...): entry 0 is reduced over the group later
             sync.add(hist)
         self.last_amax = amax
-        region = checkpoint_region()
-        if region is not None:  # recomputed later: that call must see this scale, not the history's
-            self.replays.setdefault(region, collections.deque()).append(amax)
+        # A forward recomputed later must see this scale, not the history's; a gradient is never
+        # recomputed (its slot's replays would go unread), so backward skips the region lookup.
+        if self.role is None or self.role.tensor_type != "grad_output":
+            region = checkpoint_region()
+            if region is not None:
+                self.replays.setdefault(region, collections.deque()).append(amax)
         return amax
 
     def replayed_amax(self) -> torch.Tensor | None:
@@ -134,6 +143,57 @@ class Slot:
             )
         except ValueError as e:
             raise ValueError(f"{self.role}: {e}") from None
+
+
+@torch.no_grad()
+def history_step(hist: torch.Tensor, cur: torch.Tensor, skip: int, most_recent: bool, factor: float) -> torch.Tensor:
+    """Delayed scaling's step of an amax history (the reference of ``dtq.kernels.delayed_amax``):
+    the amax a quantization scales from, the newest entry of ``hist[skip:]`` (``most_recent``) or
+    their max, times ``factor`` (2**margin), or ``cur`` on the first step (nothing recorded yet);
+    then ``hist`` shifts one place towards its end and takes ``cur`` at [0]."""
+    shared = hist[skip:]
+    if shared.numel() == 0:
+        past = torch.zeros((), dtype=hist.dtype, device=hist.device)
+    else:
+        past = shared[0] if most_recent else shared.amax()
+    amax = torch.where(past > 0, past, cur.to(hist.device)) * factor
+    hist.copy_(torch.roll(hist, 1))
+    hist[0] = cur
+    return amax
+
+
+def _abs_max(x: torch.Tensor) -> torch.Tensor:
+    """max|x| over the whole tensor, fp32 (0 for an empty one)."""
+    if not x.numel():
+        return torch.zeros((), device=x.device)
+    with torch.no_grad():
+        return x.detach().abs().amax().float()
+
+
+_DENSE = (torch.Tensor, torch.nn.Parameter)  # no subclass (a wrapper, a DTensor) reaches a kernel
+
+
+def _history_kernel_input(hist: torch.Tensor, x: torch.Tensor | None, cur: torch.Tensor | None):
+    """What ``kernels.delayed_amax`` takes as its ``x`` (x as 2-D, or None where ``cur`` is given)
+    when it can run this step, else False: plain contiguous tensors on one sm_90+ CUDA device, an
+    fp32 history it can hold, x of a dtype it reads or an fp32 ``cur``."""
+    if not (
+        type(hist) in _DENSE
+        and hist.is_cuda
+        and hist.dtype == torch.float32
+        and hist.dim() == 1
+        and hist.numel() <= kernels.MAX_HISTORY
+        and hist.is_contiguous()
+    ):
+        return False
+    t = x if x is not None else cur
+    if type(t) not in _DENSE or t.device != hist.device or not t.is_contiguous():
+        return False
+    if x is None:
+        return None if cur.dtype == torch.float32 and cur.numel() == 1 and kernels.available(hist.device) else False
+    if x.dim() < 2 or not x.numel() or x.dtype not in kernels.INPUT_DTYPES or not kernels.available(hist.device):
+        return False
+    return x.reshape(-1, x.shape[-1])
 
 
 def _scales_from_tensor_amax(codec, shape: tuple[int, int]) -> bool:
