@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from dtq import kernels
 from dtq._bits import stored_amax
 from dtq._library import define, forward_op
 from dtq._torch_private import in_backward
@@ -159,16 +160,25 @@ def takes_tensor_amax(key: int, slot: str) -> bool:
     return not t.recipe.delayed and (t.sx if slot == "input" else t.sg).takes_tensor_amax()
 
 
+_checked_slots: dict = {}  # (id(slots), key) -> slots whose quantizers matched template ``key``'s
+
+
 def _module_slots(handle: GemmHandle, key: int) -> GemmSlots:
-    """The running module's slots for the template the graph was traced with (the same quantizers)."""
+    """The running module's slots for the template the graph was traced with (the same quantizers;
+    compared once per slots object, not per call: quantizer equality costs microseconds)."""
     t = template(key)
     slots = handle.slots(t.recipe, t.gemm)
+    if _checked_slots.get((id(slots), key)) is slots:
+        return slots
     if slots.quantizers != t.quantizers:
         raise RuntimeError(
             f"dtq: {slots.name} shares a compiled graph traced for {t.name}, but the recipe gives it "
             f"other quantizers ({slots.quantizers} vs {t.quantizers}); a recipe whose quantizers depend "
             "on the module name must say so (name_dependent = True, as CustomRecipe does)"
         )
+    if len(_checked_slots) > 4096:
+        _checked_slots.clear()
+    _checked_slots[(id(slots), key)] = slots
     return slots
 
 
@@ -387,12 +397,26 @@ def _input_plan(
     return _template_plan(key, need_dgrad, need_wgrad, x.shape, x.dtype, x.device, out_features, w_dtype)
 
 
+_template_plans: dict = {}
+
+
 def _template_plan(key, need_dgrad, need_wgrad, x_shape, x_dtype, device, out_features, w_dtype) -> LinearPlan:
+    """The plan of template ``key``'s planned call of this shape, kept per shape (with the kernels'
+    on/off token, as ``shape_plan``'s own cache): a compiled step asks once per GEMM operand, and
+    describing the weight as a meta tensor costs more host time than the lookup."""
+    k = (key, need_dgrad, need_wgrad, tuple(x_shape), x_dtype, device, out_features, w_dtype, kernels.disabled_token())
+    plan = _template_plans.get(k)
+    if plan is not None:
+        return plan
     w = torch.empty((out_features, x_shape[-1]), dtype=w_dtype, device="meta")
     call = GemmCall(template(key), need_dgrad, need_wgrad)
     # (None: a shape the formats refuse; building the plan again raises their message)
     x_shape = torch.Size(x_shape)
-    return shape_plan(call, x_shape, x_dtype, device, w) or LinearPlan(call, x_shape, x_dtype, device, w)
+    plan = shape_plan(call, x_shape, x_dtype, device, w) or LinearPlan(call, x_shape, x_dtype, device, w)
+    if len(_template_plans) > 256:
+        _template_plans.clear()
+    _template_plans[k] = plan
+    return plan
 
 
 def _grad_plan(dy, key, need_dgrad, need_wgrad, x_shape, x_dtype, w_dtype) -> LinearPlan:
