@@ -1,7 +1,7 @@
 """Delayed scaling's history step in one launch (``dtq.kernels.delayed_amax``) against its reference
 (``dtq.nn.slot.history_step``, the torch ops), bit for bit: the amax returned and the history after
 the shift, for the newest entry or the max, with a margin factor, entries held back by an amax
-reduction (``skip``), empty and full-size histories, zeros, infinities and NaN in the history and
+reduction (``skip``), one-entry and full-size histories, zeros, infinities and NaN in the history and
 in x, every input dtype, and x given as a tensor (its max|x| is the new entry) or as a value. A
 delayed-recipe Linear then trains bitwise the same with the kernel and with the reference. On the
 CPU the step always runs the reference (checked at the end)."""
