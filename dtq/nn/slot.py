@@ -11,6 +11,7 @@ import weakref
 import torch
 
 from dtq import kernels
+from dtq._bits import stored_amax
 from dtq._torch_private import checkpoint_region
 from dtq.codec import COLUMNWISE, ROWWISE, shape_2d
 from dtq.distributed import tp
@@ -163,11 +164,11 @@ def history_step(hist: torch.Tensor, cur: torch.Tensor, skip: int, most_recent: 
 
 
 def _abs_max(x: torch.Tensor) -> torch.Tensor:
-    """max|x| over the whole tensor, fp32 (0 for an empty one)."""
+    """max|x| over the whole tensor, fp32 (0 for an empty one), on the stored bit patterns as the
+    kernel takes it (so even a NaN's payload is the kernel's)."""
     if not x.numel():
         return torch.zeros((), device=x.device)
-    with torch.no_grad():
-        return x.detach().abs().amax().float()
+    return stored_amax(x.detach())
 
 
 _DENSE = (torch.Tensor, torch.nn.Parameter)  # no subclass (a wrapper, a DTensor) reaches a kernel

@@ -13,19 +13,14 @@ import torch
 
 import dtq
 from dtq import kernels
+from dtq._bits import stored_amax
 from dtq.nn import slot as slot_mod
+from tests.kernels.test_kernels import _same_bits as _same  # any NaN equals any NaN
 
 needs_kernels = pytest.mark.skipif(
     not torch.cuda.is_available() or not kernels.available("cuda"),
     reason="the kernels need a CUDA GPU with sm_90 (CPU-only here)",
 )
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bits, except that any NaN equals any NaN (torch does not say which NaN a max keeps)."""
-    a, b = a.detach().float().cpu().reshape(-1), b.detach().float().cpu().reshape(-1)
-    nan = a.isnan()
-    return bool((nan == b.isnan()).all()) and bool((a[~nan].view(torch.int32) == b[~nan].view(torch.int32)).all())
 
 
 def _history(n: int, kind: str) -> torch.Tensor:
@@ -75,7 +70,7 @@ def test_matches_reference_given_x(dtype, shape, special):
         x.zero_()
     x = x.to(dtype).cuda()
     ref, got = _history(16, "random"), _history(16, "random")
-    cur = x.abs().amax().float()
+    cur = stored_amax(x)  # what the slot's reference path takes
     want = slot_mod.history_step(ref, cur, 0, False, 1.0)
     amax, entry = kernels.delayed_amax(got, x, None, 0, False, 1.0)
     assert _same(entry, cur) and _same(amax, want) and _same(got, ref)
