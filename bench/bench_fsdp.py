@@ -6,7 +6,10 @@ Llama-style model (attention + SwiGLU blocks, AdamW) per parameter mode, in one 
   precomputed in one all-reduce after each optimizer step);
 * ``dtq fp8 (quantized params)``: FP8 parameters with FP32 masters (``MasterWeightOptimizer``);
 * ``dtq hybrid (quantized params)``: MXFP8 rowwise / NVFP4 columnwise parameters;
-* ``torchao float8``: tensorwise float8 with FP8 all-gather and precomputed scales.
+* ``dtq fp8 (bf16 gather)``: ``dtq.parallel.gather_high_precision``: FSDP2 gathers BF16 weights
+  and each GEMM quantizes its gathered weight;
+* ``torchao float8``: tensorwise float8 with FP8 all-gather and precomputed scales;
+* ``torchao float8 (bf16 gather)``: the same without FP8 all-gather (torchtitan's default).
 
 A mode ending in `` compiled`` compiles each block (``torch.compile(block)``) before
 ``fully_shard``, as torchtitan does. ``--preset 1b`` takes the shapes of
@@ -63,7 +66,15 @@ class Block(torch.nn.Module):
         return x + self.fc2(F.silu(a) * g)
 
 
-MODES = ("bf16", "dtq fp8 (hp shards)", "dtq fp8 (quantized params)", "dtq hybrid (quantized params)", "torchao float8")
+MODES = (
+    "bf16",
+    "dtq fp8 (hp shards)",
+    "dtq fp8 (bf16 gather)",
+    "dtq fp8 (quantized params)",
+    "dtq hybrid (quantized params)",
+    "torchao float8",
+    "torchao float8 (bf16 gather)",
+)
 # The issue-16 row: BF16 and dtq FP8 eager and compiled against torchao float8 compiled.
 COMPILED_MODES = (
     "bf16",
@@ -92,10 +103,13 @@ def build(args, mode: str):
         )
         quantized = "quantized params" in mode
         dtq.convert(model, recipe=recipe if quantized else None, quantized_params=quantized)
-    elif mode == "torchao float8":
+        if "bf16 gather" in mode:
+            dtq.parallel.gather_high_precision(model)
+    elif mode.startswith("torchao float8"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+        fp8_gather = "bf16 gather" not in mode
+        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_gather))
     for i, block in enumerate(model):
         if compiled:
             block = model[i] = torch.compile(block)
@@ -110,7 +124,7 @@ def build(args, mode: str):
 
 def after_step(model, mode: str) -> None:
     mode = mode.removesuffix(" compiled")
-    if mode == "torchao float8":
+    if mode == "torchao float8":  # (with FP8 all-gather)
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         precompute_float8_dynamic_scale_for_fsdp(model)

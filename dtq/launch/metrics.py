@@ -29,14 +29,16 @@ def progress_line(rec: dict[str, Any], total_steps: int) -> str:
     """``step  20/40 | loss 3.1416 | lr 2.7e-03 | 12,345 tok/s | gathered 1.23 MB (mxfp8/rowwise 0.82 MB,
     ...) | reduce-scattered 2.46 MB | 95 ms/step | peak 3.2 GiB`` (the last three where recorded)."""
     gathered = rec.get("gathered_bytes") or {}
+    collectives = rec.get("collective_bytes") or {}
     parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(gathered.items()))
+    moved = moved_bytes(gathered)
+    if not gathered and collectives.get("all_gathered"):  # plain weights (parallel.quantized_gather = false)
+        moved, parts = collectives["all_gathered"], "unquantized weights"
     width = len(str(total_steps))
     line = (
         f"step {rec['step']:>{width}}/{total_steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.1e} | "
-        f"{rec['tokens_per_s']:,.0f} tok/s | gathered {human_bytes(moved_bytes(gathered))}"
-        + (f" ({parts})" if parts else "")
+        f"{rec['tokens_per_s']:,.0f} tok/s | gathered {human_bytes(moved)}" + (f" ({parts})" if parts else "")
     )
-    collectives = rec.get("collective_bytes") or {}
     if "reduce_scattered" in collectives:
         line += f" | reduce-scattered {human_bytes(collectives['reduce_scattered'])}"
     if "step_s" in rec:

@@ -92,13 +92,16 @@ def reshard_after_forward(setting: bool | str, shard_ranks: int) -> bool:
 
 def parallelize(model: torch.nn.Module, mesh: DeviceMesh, cfg: Config, recipe=None) -> torch.nn.Module:
     """TP styles (when ``tp > 1``), then quantized parameters (``train.quantized_params``: after the
-    styles, so every TP shard is the slice of the whole weight's quantization), then FSDP2 per
-    block and on the root. Parameters are kept in their dtype; ``train.dtype = "bfloat16"`` makes
-    FSDP2 gather and compute in BF16 with FP32 gradient reduction."""
+    styles, so every TP shard is the slice of the whole weight's quantization) or plain ones
+    (``parallel.quantized_gather = false``), then FSDP2 per block and on the root. Parameters are
+    kept in their dtype; ``train.dtype = "bfloat16"`` makes FSDP2 gather and compute in BF16 with
+    FP32 gradient reduction."""
     if cfg.parallel.tp > 1:
         apply_tensor_parallel(model, mesh, cfg)
     if cfg.train.quantized_params:
         dtq.convert(model, recipe=recipe, quantized_params=True, module_filter_fn=lambda m, fqn: False)
+    elif not cfg.parallel.quantized_gather:
+        dtq.parallel.gather_high_precision(model)
     if cfg.train.compile:
         for block in model.blocks:  # in place: parameter names and FSDP2's per-block units stay as they are
             block.compile()

@@ -316,7 +316,11 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto", 
     if step >= tc.steps:
         console.print(f"already at step {step} of {tc.steps}; raise train.steps to continue")
 
-    if recipe is not None and not tc.quantized_params:
+    if recipe is not None and not tc.quantized_params and not cfg.parallel.quantized_gather:
+        console.print("parallel.quantized_gather = false: weights gathered in high precision, quantized by their GEMMs")
+    # high-precision weights that FSDP2 gathers quantized: their amaxes reduced once per step
+    reduce_amaxes = recipe is not None and not tc.quantized_params and cfg.parallel.quantized_gather
+    if reduce_amaxes:
         dtq.parallel.precompute_amax(model, recipe)  # the first step's gathers too
     collectives = metrics.CollectiveBytes()
     with collectives, contextlib.closing(console):
@@ -337,7 +341,7 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto", 
                 optim.clip_grad_norm(model.parameters(), tc.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if recipe is not None and not tc.quantized_params:
+            if reduce_amaxes:
                 dtq.parallel.precompute_amax(model, recipe)  # every weight's amax in one all-reduce
             samples += b * dp_world
             loss_sum += loss.detach()

@@ -1,9 +1,9 @@
-"""The distributed API for users: tensor/sequence-parallel styles, ``precompute_amax`` for FSDP2,
-master-weight casts, CPU offload and byte counters. It stands on :mod:`dtq.nn`; the collectives
-that dtq modules run themselves are in :mod:`dtq.distributed`."""
+"""The distributed API for users: tensor/sequence-parallel styles, ``precompute_amax`` and
+``gather_high_precision`` for FSDP2, master-weight casts, CPU offload and byte counters. It stands
+on :mod:`dtq.nn`; the collectives that dtq modules run themselves are in :mod:`dtq.distributed`."""
 
 from dtq.distributed.comm import comm_stats
-from dtq.parallel.fsdp import HighPrecisionWeight, precompute_amax
+from dtq.parallel.fsdp import HighPrecisionWeight, gather_high_precision, precompute_amax
 from dtq.parallel.master import FlatSlice, quantize_master_weights
 from dtq.parallel.offload import offload
 from dtq.parallel.styles import ColwiseParallel, LayerNormMLPParallel, RowwiseParallel
@@ -12,6 +12,7 @@ from dtq.parallel.tp import gather_along_first_dim
 __all__ = [
     "comm_stats",
     "precompute_amax",
+    "gather_high_precision",
     "HighPrecisionWeight",
     "FlatSlice",
     "quantize_master_weights",

@@ -1,10 +1,11 @@
 """``precompute_amax``: the global amaxes of every FSDP2-sharded high-precision dtq weight in one
 all-reduce per process group, reused by the all-gathers (:mod:`dtq.distributed.gather`) until the
-weight changes."""
+weight changes. ``gather_high_precision``: the opt-out, weights that FSDP2 gathers unquantized."""
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from dtq._torch_private import fsdp_gather_dtype, fsdp_holds, fsdp_shard_group, gather_context
@@ -14,9 +15,57 @@ from dtq.distributed.amax import all_reduce_max, sharded_amaxes
 from dtq.distributed.gather import amax_key
 from dtq.distributed.world import check_launched_world
 from dtq.nn.module import QuantizedModule
-from dtq.weights import HighPrecisionWeight, local_data, local_tensor
+from dtq.tensor import QuantizedTensor
+from dtq.weights import HighPrecisionWeight, local_data, local_tensor, unwrap
 
-__all__ = ["precompute_amax", "HighPrecisionWeight"]
+__all__ = ["precompute_amax", "gather_high_precision", "HighPrecisionWeight"]
+
+
+def gather_high_precision(model: torch.nn.Module) -> list[str]:
+    """Make every dtq module's high-precision weight a plain parameter: FSDP2 then gathers it in its
+    own dtype (``MixedPrecisionPolicy.param_dtype``) and each GEMM quantizes the gathered weight,
+    as torchao does without FP8 all-gather. The GEMMs quantize the same values either way (a
+    quantized gather also quantizes the shard cast to ``param_dtype``), so training is the same;
+    what changes is the step: a quantized gather moves half the bytes or less but runs dtq's
+    quantization in FSDP2's gather hooks, and where the network is fast (GPUs of one host on
+    NVLink) the plain gather has been the faster step (docs/benchmarks.md, FSDP2). Call it before
+    ``fully_shard`` (after tensor-parallel styles) and before building the optimizer: the
+    parameters are new objects (tied weights stay tied). Returns the fully qualified names of the
+    weights it changed."""
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise RuntimeError(
+            "dtq.parallel.gather_high_precision: the model is already wrapped by fully_shard, which "
+            "holds its parameters; call it before fully_shard"
+        )
+    new: dict[int, torch.nn.Parameter] = {}  # id of a replaced parameter -> its plain successor
+    changed = []
+    for fqn, module in model.named_modules():
+        if not isinstance(module, QuantizedModule):
+            continue
+        for leaf in module.weight_names():
+            p = getattr(module, leaf)
+            local = local_tensor(p) if isinstance(p, DTensor) else p
+            if isinstance(local, QuantizedTensor):
+                raise ValueError(
+                    f"dtq.parallel.gather_high_precision: {f'{fqn}.{leaf}'.lstrip('.')} is a quantized "
+                    f"parameter ({type(local).__name__} {list(p.shape)}), which FSDP2 gathers in its "
+                    "format; only high-precision weights can be gathered unquantized (convert without "
+                    "quantized_params=True)"
+                )
+            if not isinstance(local, HighPrecisionWeight) or id(p) in new:
+                continue  # already plain, or a tied weight met before
+            data = unwrap(local).detach()
+            if isinstance(p, DTensor):  # a tensor-parallel shard: the same placements, plain inside
+                data = DTensor.from_local(
+                    data, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                )
+            new[id(p)] = torch.nn.Parameter(data, requires_grad=p.requires_grad)
+            changed.append(f"{fqn}.{leaf}".lstrip("."))
+    for module in model.modules():  # every holder of a replaced parameter: tied weights stay tied
+        for leaf, p in list(module._parameters.items()):
+            if p is not None and id(p) in new:
+                setattr(module, leaf, new[id(p)])
+    return changed
 
 
 @torch.no_grad()

@@ -224,6 +224,12 @@ def test_config_round_trips_through_its_dict():
     assert dataclasses.replace(cfg.train, backward_override="none").backward_override is None
 
 
+def test_quantized_gather_off_refuses_quantized_params():
+    assert config.load(TINY, ["parallel.quantized_gather=false"]).parallel.quantized_gather is False
+    with pytest.raises(ValueError, match=r"quantized_gather = false needs train.quantized_params = false"):
+        config.load(TINY, ["parallel.quantized_gather=false", "train.quantized_params=true"])
+
+
 def test_quantized_params_optimizer_groups_and_lr_after_resume():
     """build_optimizer gives MasterWeightOptimizer's masters two AdamW groups (no decay on norms
     and embeddings), and set_lr still reaches the inner optimizer after load_state_dict (which

@@ -78,6 +78,20 @@ def test_tiny_config_trains_on_two_ranks_under_torchrun(tiny_run):
         assert (out / "checkpoints" / f"step_{step:08d}" / ".metadata").exists()
 
 
+def test_high_precision_gather_trains_like_quantized_gather(tiny_run, tmp_path):
+    """``parallel.quantized_gather = false``: FSDP2 gathers the FP32 weights and each GEMM quantizes
+    the whole weight, which is what a quantized gather delivers (the quantization of the whole
+    weight), so every loss equals the tiny run's bit for bit; only the gathered bytes differ."""
+    stdout = _torchrun(*TINY, "--set", "parallel.quantized_gather=false", "--out-dir", str(tmp_path))
+    assert "weights gathered in high precision, quantized by their GEMMs" in stdout
+    assert "(unquantized weights) | reduce-scattered" in stdout
+    plain, quantized = _records(tmp_path), _records(tiny_run[0])
+    assert [r["loss"] for r in plain] == [r["loss"] for r in quantized]
+    for a, b in zip(plain, quantized):
+        assert a["gathered_bytes"] == {}, a["gathered_bytes"]  # no dtq gathers: FSDP2's own, in fp32
+        assert a["collective_bytes"]["all_gathered"] > b["collective_bytes"]["all_gathered"]
+
+
 def _resume_from(full_dir: pathlib.Path, step: int, args: list[str], resumed_dir: pathlib.Path, nproc: int = 2) -> None:
     """Resume ``args`` from ``full_dir``'s step-``step`` checkpoint in ``resumed_dir`` and check that
     every later loss equals the uninterrupted run's: equal floats, no tolerance."""

@@ -516,3 +516,40 @@ def _check_uneven(rank, world):
 
 def test_uneven_shards_2_ranks():
     spawn(_check_uneven, 2)
+
+
+def _check_gather_high_precision_rails(rank, world):
+    # every weight of every dtq module becomes a plain parameter with the same values; a weight tied
+    # to another dtq module and to a plain module stays tied; the GEMMs compute the same bits
+    model = _model()
+    tied = dtq.nn.Linear(FFN, HIDDEN, name="tied")
+    tied.weight = model[3].weight
+    holder = torch.nn.Module()
+    holder.w = model[1].weight
+    model.extend([tied, holder])
+    x = torch.randn(TOKENS, HIDDEN)
+    with dtq.autocast(dtq.MXFP8BlockScaling()):
+        before = model[:4](x)
+    old = {n: p.detach().clone() for n, p in model.named_parameters()}
+    changed = dtq.parallel.gather_high_precision(model)
+    names = [n for n, p in model[0].named_parameters() if n in model[0].weight_names()]
+    assert changed == [f"0.{n}" for n in names] + ["1.weight", "3.weight"], changed
+    assert holder.w is model[1].weight and tied.weight is model[3].weight
+    for n, p in model.named_parameters():
+        assert type(p) is torch.nn.Parameter and torch.equal(p, old[n]), n
+    with dtq.autocast(dtq.MXFP8BlockScaling()):
+        after = model[:4](x)
+    assert torch.equal(_bits(before), _bits(after))
+    assert dtq.parallel.gather_high_precision(model) == []  # already plain
+
+    quantized = dtq.convert(_model(), recipe=dtq.Float8CurrentScaling(), quantized_params=True)
+    with pytest.raises(ValueError, match=r"0\.fc1_weight is a quantized parameter.*quantized_params=True"):
+        dtq.parallel.gather_high_precision(quantized)
+
+    sharded = _shard(_model(), init_device_mesh("cpu", (world,)), True)
+    with pytest.raises(RuntimeError, match="already wrapped by fully_shard.*call it before fully_shard"):
+        dtq.parallel.gather_high_precision(sharded)
+
+
+def test_gather_high_precision_rails():
+    spawn(_check_gather_high_precision_rails, 1, backend="gloo")

@@ -1,7 +1,8 @@
 """Sharded equals single (the project's invariant): with the same data on every rank, FSDP2 (and
 HSDP) training is bitwise the single-process run. Every recipe, both parameter modes,
 ``reshard_after_forward`` True / False, with and without ``precompute_amax``, ``fully_shard`` per
-Linear and per block, activation recompute on and off. Losses, final parameters (payload bits for
+Linear and per block, activation recompute on and off; and weights gathered unquantized
+(``dtq.parallel.gather_high_precision``). Losses, final parameters (payload bits for
 quantized ones) and delayed-scaling histories are compared bit for bit.
 
 Why it can be bitwise: every rank computes the whole batch, so each rank's weight gradient is the
@@ -204,3 +205,26 @@ def _check_one_rank(rank, world):
 
 def test_fsdp2_on_one_rank_equals_single_process():
     spawn(_check_one_rank, 1, backend="gloo")
+
+
+def _check_high_precision_gather(rank, world):
+    """Weights FSDP2 gathers unquantized (``gather_high_precision``), each GEMM quantizing the whole
+    gathered weight: the single process with dtq's own weights, every recipe."""
+    mesh = init_device_mesh("cpu", (world,))
+    for recipe_name, factory in RECIPES.items():
+        recipe = factory()
+        ref = _model(recipe, False, recompute=False)
+        ref_losses = _train(ref, recipe, False, precompute=False)
+        for raf, recompute in ((True, False), (False, True)):
+            model = _model(recipe, False, recompute)
+            changed = dtq.parallel.gather_high_precision(model)
+            assert changed == [f"{b}.{fc}.weight" for b in "01" for fc in ("fc1", "fc2")]
+            _shard(model, mesh, "block", raf)
+            assert not any(isinstance(p._local_tensor, dtq.parallel.HighPrecisionWeight) for p in model.parameters())
+            losses = _train(model, recipe, False, precompute=True)  # (nothing to precompute: a no-op)
+            config = dict(gather="high precision", reshard_after_forward=raf, recompute=recompute)
+            _compare(recipe_name, config, losses, ref_losses, model, ref)
+
+
+def test_high_precision_gather_equals_single_process():
+    spawn(_check_high_precision_gather, 2, backend="gloo")
