@@ -19,4 +19,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "amax pass, payload allocation and fused quantize of up to two directions in one call");
   m.def("transposed_u8", &dtq::transposed_u8, "Contiguous [K, M] copy of a 1-byte [M, K] matrix, allocated");
   m.def("scale_cast", &dtq::scale_cast, "((out * fa) * fb).to(dtype) of an fp32 GEMM output in one pass");
+  m.def("inverse_scale", &dtq::inverse_scale, "1 / min(fmax / amax, FLT_MAX) per amax (1 where amax is not finite and > 0)");
 }

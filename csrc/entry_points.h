@@ -21,6 +21,7 @@ void transpose_u8(const at::Tensor& in, const at::Tensor& out);
 void swiglu_forward(const at::Tensor& x, const at::Tensor& h, int64_t block, const c10::optional<at::Tensor>& amax);
 void swiglu_backward(const at::Tensor& dh, const at::Tensor& x, const at::Tensor& dx, int64_t block,
                      const c10::optional<at::Tensor>& amax);
+void inverse_scale(const at::Tensor& amax, const at::Tensor& out, double fmax);
 void scale_cast(const at::Tensor& src, const c10::optional<at::Tensor>& fa, const c10::optional<at::Tensor>& fb,
                 const at::Tensor& dst);
 std::vector<at::Tensor> quantize_alloc(const at::Tensor& x, const std::vector<int64_t>& cfg_a,

@@ -4,6 +4,8 @@
 // CUDA). Eager torch needs three passes over the fp32 output for this (two multiplies, a cast),
 // which cost an NVFP4 layer more than its dequantization. Four elements per thread (16-byte loads)
 // when the pointers allow, else one. An fp32 result may overwrite the input in place.
+// Also the factor itself for formats that scale by ``fmax / amax`` (NVFP4's S_enc): its inverse
+// from the stored amaxes in one launch instead of torch's seven small ones per operand.
 
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
@@ -45,7 +47,31 @@ const float* factor_ptr(const c10::optional<at::Tensor>& f, const at::Tensor& sr
   return f->data_ptr<float>();
 }
 
+// 1 / scale_from_amax(amax): dtq._bits.per_tensor_scale then torch.reciprocal, each step one
+// correctly rounded fp32 operation as torch's CUDA kernels compute it.
+__global__ void inverse_scale_kernel(const float* __restrict__ amax, float* __restrict__ out, int64_t n, float fmax) {
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads)
+    out[i] = __fdiv_rn(1.f, scale_from_amax(amax[i], fmax, false));
+}
+
 }  // namespace
+
+void inverse_scale(const at::Tensor& amax, const at::Tensor& out, double fmax) {
+  TORCH_CHECK(amax.is_cuda() && amax.is_contiguous() && amax.scalar_type() == at::kFloat,
+              "dtq inverse_scale: the amaxes must be a contiguous fp32 CUDA tensor, got ", amax.scalar_type(),
+              amax.is_contiguous() ? "" : " (non-contiguous)");
+  TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.scalar_type() == at::kFloat &&
+                  out.numel() == amax.numel() && out.device() == amax.device(),
+              "dtq inverse_scale: the result must be a contiguous fp32 tensor of ", amax.numel(), " elements on ",
+              amax.device());
+  const int64_t n = amax.numel();
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(amax.device());
+  const int blocks = int(std::min<int64_t>((n + kThreads - 1) / kThreads, int64_t(1) << 16));
+  inverse_scale_kernel<<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      amax.data_ptr<float>(), out.data_ptr<float>(), n, float(fmax));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 
 void scale_cast(const at::Tensor& src, const c10::optional<at::Tensor>& fa, const c10::optional<at::Tensor>& fb,
                 const at::Tensor& dst) {

@@ -135,6 +135,13 @@ def global_scale(amax: torch.Tensor, q: NVFP4Quantizer) -> torch.Tensor:
     return _bits.per_tensor_scale(amax, q.e4m3_max * 6.0, pow2=False)  # exact: an e4m3 value times 6
 
 
+def inverse_global_scale(amax: torch.Tensor, q: NVFP4Quantizer) -> torch.Tensor:
+    """1 / S_enc, the factor a GEMM of the dequantized blocks applies: one launch on CUDA (the
+    bits of the torch ops below it)."""
+    inv = kernels.inverse_scale(amax, q.e4m3_max * 6.0)
+    return inv if inv is not None else torch.reciprocal(global_scale(amax, q))
+
+
 @functools.lru_cache(maxsize=64)
 def _signs_mask(seed: int | None) -> int:
     return kernels.signs_mask(_bits.hadamard_signs(seed, torch.device("cpu")))
@@ -294,7 +301,7 @@ class NVFP4Codec(Codec):
             if self.hadamard:
                 vals = _bits.hadamard_rows(vals, self.q.hadamard_seed, inverse=True)
             vals = vals.to(dtype)
-        return vals, torch.reciprocal(global_scale(payload["amax"], self.q))
+        return vals, inverse_global_scale(payload["amax"], self.q)
 
     def exact_dtype(self, payload: Payload, rotated: bool = False) -> torch.dtype:
         # e2m1 (2 significant bits) * e4m3 (4): exact in bf16; the inverse Hadamard is not
@@ -311,7 +318,7 @@ class NVFP4Codec(Codec):
         vals = self._unrotated._kernel(payload, shape, True, dtype)
         if vals is None:
             vals = self._block_values(payload, shape).to(dtype)
-        return vals, torch.reciprocal(global_scale(payload["amax"], self.q))
+        return vals, inverse_global_scale(payload["amax"], self.q)
 
     def _block_values(self, payload: Payload, shape: tuple[int, int]) -> torch.Tensor:
         vals = _bits.e2m1_decode(_bits.unpack_nibbles(payload["data"]))

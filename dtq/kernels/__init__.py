@@ -531,6 +531,18 @@ def swiglu_backward(
     return dx, (None if buf is None else buf.view(torch.float32).reshape(()))
 
 
+def inverse_scale(amax: torch.Tensor, fmax: float) -> torch.Tensor | None:
+    """``1 / per_tensor_scale(amax, fmax)`` (``dtq._bits``; no power-of-two rounding) of fp32 CUDA
+    amaxes, in one launch; None where the kernel does not apply. The emulated NVFP4 GEMMs take
+    this factor per operand and call, where torch's ops cost seven launches."""
+    if amax.dtype != torch.float32 or not amax.is_cuda or not available(amax.device):
+        return None
+    amax = amax.contiguous()
+    out = torch.empty(amax.shape, dtype=torch.float32, device=amax.device)
+    extension().inverse_scale(amax, out, fmax)
+    return out
+
+
 def scale_cast(
     out: torch.Tensor, fa: torch.Tensor | None, fb: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor | None:
