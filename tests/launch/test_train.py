@@ -81,15 +81,23 @@ def test_tiny_config_trains_on_two_ranks_under_torchrun(tiny_run):
 def test_high_precision_gather_trains_like_quantized_gather(tiny_run, tmp_path):
     """``parallel.quantized_gather = false``: FSDP2 gathers the FP32 weights and each GEMM quantizes
     the whole weight, which is what a quantized gather delivers (the quantization of the whole
-    weight), so every loss equals the tiny run's bit for bit; only the gathered bytes differ."""
-    stdout = _torchrun(*TINY, "--set", "parallel.quantized_gather=false", "--out-dir", str(tmp_path))
+    weight), so every loss equals the tiny run's bit for bit; only the gathered bytes differ. Under
+    TP 2 with sequence parallelism too (the weights are then DTensors of the TP shards)."""
+    stdout = _torchrun(*TINY, "--set", "parallel.quantized_gather=false", "--out-dir", str(tmp_path / "fsdp"))
     assert "weights gathered in high precision, quantized by their GEMMs" in stdout
     assert "(unquantized weights) | reduce-scattered" in stdout
-    plain, quantized = _records(tmp_path), _records(tiny_run[0])
+    plain, quantized = _records(tmp_path / "fsdp"), _records(tiny_run[0])
     assert [r["loss"] for r in plain] == [r["loss"] for r in quantized]
     for a, b in zip(plain, quantized):
         assert a["gathered_bytes"] == {}, a["gathered_bytes"]  # no dtq gathers: FSDP2's own, in fp32
         assert a["collective_bytes"]["all_gathered"] > b["collective_bytes"]["all_gathered"]
+    tp = [*TINY, "--steps", "3", "--set", "parallel.tp=2", "--set", "parallel.sequence_parallel=true"]
+    _torchrun(*tp, "--out-dir", str(tmp_path / "tp"))
+    _torchrun(*tp, "--set", "parallel.quantized_gather=false", "--out-dir", str(tmp_path / "tp_plain"))
+    tp_plain, tp_quantized = _records(tmp_path / "tp_plain"), _records(tmp_path / "tp")
+    assert [r["loss"] for r in tp_plain] == [r["loss"] for r in tp_quantized]
+    # (what dtq still gathers there is TP's activations; the weights' quantized gathers are gone)
+    assert tp_plain[0]["gathered_bytes"]["mxfp8/rowwise"] < tp_quantized[0]["gathered_bytes"]["mxfp8/rowwise"]
 
 
 def _resume_from(full_dir: pathlib.Path, step: int, args: list[str], resumed_dir: pathlib.Path, nproc: int = 2) -> None:
