@@ -7,7 +7,9 @@ a :class:`DtqLinear` config (keeping its ``param_init``); the built :class:`DtqL
 ``dtq.nn.Linear`` (so an ``nn.Linear``) and a torchtitan ``Module`` with the recipe bound as its
 default, so it quantizes also where torchtitan calls it outside the model's forward (the chunked
 loss calls ``lm_head`` itself). By default its parameters stay high precision: they are the
-master weights, and FSDP2 gathers them quantized.
+master weights, and FSDP2 gathers them quantized; with ``DtqConverter.Config(quantized_gather=False)``
+(torchao's ``enable_fsdp_float8_all_gather=False``) they are plain parameters that FSDP2 gathers
+unquantized, each GEMM quantizing the gathered weight (``dtq.parallel.gather_high_precision``).
 
 With ``DtqConverter.Config(quantized_params=True)`` each :class:`DtqLinear` weight is a dtq
 quantized parameter (what ``dtq.convert(quantized_params=True)`` makes): created on the meta
@@ -79,10 +81,16 @@ from dtq.integrations._torchtitan_tp import tp_style
 from dtq.nn.linear import Linear
 from dtq.nn.module import QuantizedModule
 from dtq.optim import MasterWeightOptimizer, _is_quantized
+from dtq.parallel.fsdp import gather_high_precision
 from dtq.parallel.master import quantize_master_weights
 from dtq.presets import recipe_from_name
 from dtq.recipe import Recipe
 from dtq.shapes import linear_problem, shape_problems
+
+_GATHER_NEEDS_HIGH_PRECISION = (
+    "dtq.integrations.torchtitan: quantized_gather=False needs quantized_params=False (quantized "
+    "parameters are gathered in their format): "
+)
 
 
 class DtqLinear(Linear, Module):
@@ -101,6 +109,8 @@ class DtqLinear(Linear, Module):
         """The module's fully qualified name (its quantizer roles' name)."""
         quantized_params: bool = False
         """Store the weight as a dtq quantized parameter (``dtq.convert(quantized_params=True)``'s)."""
+        quantized_gather: bool = True
+        """False: a plain weight parameter, gathered unquantized by FSDP2 and quantized by the GEMM."""
 
     def __init__(self, config: Config):
         Linear.__init__(self, config.in_features, config.out_features, config.bias, name=config.name)
@@ -109,8 +119,12 @@ class DtqLinear(Linear, Module):
         self.gemm_state.default_recipe = recipe
         if recipe.delayed:  # its amax histories now, so a fresh model's state dict has their keys
             self.init_recipe_state(recipe)
+        if config.quantized_params and not config.quantized_gather:
+            raise ValueError(_GATHER_NEEDS_HIGH_PRECISION + (config.name or "a DtqLinear"))
         if config.quantized_params:  # on the meta device: zero payloads, written by init_states
             quantize_module_weights(self, recipe, fqn=config.name)
+        if not config.quantized_gather:
+            gather_high_precision(self)
 
     # torchtitan's checkpointer (ModelWrapper) takes every state-dict value for a tensor, which the
     # extra state (a dict recording each quantized weight's format) is not; the payload entries'
@@ -253,8 +267,14 @@ class DtqConverter(ModelConfigConverter):
         quantized_params: bool = False
         """Store the converted weights as dtq quantized parameters (FSDP2 shards and gathers their
         payloads); step them with :class:`MasterWeightOptimizersContainer`."""
+        quantized_gather: bool = True
+        """False: plain high-precision weights, which FSDP2 gathers unquantized and each GEMM
+        quantizes (torchao's ``enable_fsdp_float8_all_gather=False``): the faster step on GPUs of
+        one host (docs/benchmarks.md, FSDP2)."""
 
     def __init__(self, config: Config):
+        if config.quantized_params and not config.quantized_gather:
+            raise ValueError(_GATHER_NEEDS_HIGH_PRECISION + "DtqConverter.Config")
         self.config = config
         self.recipe = recipe_from_name(config.recipe)
         self.fsdp_world = config.fsdp_world or int(os.environ.get("WORLD_SIZE", "1"))
@@ -281,6 +301,7 @@ class DtqConverter(ModelConfigConverter):
                 recipe=cfg.recipe,
                 name=fqn,
                 quantized_params=cfg.quantized_params,
+                quantized_gather=cfg.quantized_gather,
             )
             swaps.append((parent, attr, new))
             converted.append(fqn)

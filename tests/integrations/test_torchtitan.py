@@ -142,14 +142,15 @@ def _titan_model_config(drawn: dict | None = None):
     )
 
 
-def _train_titan(rank, world, recipe):
-    """Build, shard, initialize and train the tiny model as torchtitan's trainer does; returns it
-    and its losses (each rank trains on its own half of the batch)."""
+def _train_titan(rank, world, recipe, quantized_gather=True):
+    """Build, shard, initialize and train the tiny model as torchtitan's trainer does; returns it,
+    its optimizers and its losses (each rank trains on its own half of the batch)."""
     from torchtitan.components.optimizer.optimizer import default_adamw
 
     from dtq.integrations.torchtitan import DtqConverter, DtqLinear, post_optimizer_build_fn
 
-    config = DtqConverter.Config(recipe=recipe, filter_fqns=["layers.1.w2"]).build().convert(_titan_model_config())
+    converter = DtqConverter.Config(recipe=recipe, filter_fqns=["layers.1.w2"], quantized_gather=quantized_gather)
+    config = converter.build().convert(_titan_model_config())
     with torch.device("meta"):
         model = config.build()
     model.verify_module_protocol()
@@ -166,6 +167,7 @@ def _train_titan(rank, world, recipe):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.to_empty(device="cpu")
+    torch.manual_seed(1000 + rank)  # the same initial weights in every call (shards drawn apart)
     with torch.no_grad():
         model.init_weights()
     w = model.layers[0].w1.weight
@@ -186,19 +188,28 @@ def _train_titan(rank, world, recipe):
         optimizers.zero_grad()
         losses.append(loss.item())
         local = w._local_tensor  # the hook reduced the new weights' amaxes (per-tensor FP8 needs them)
-        key = local._amax_cache[0]  # (wrapper version, data version, quantizer, dtype): dtq.distributed.gather.amax_key
-        assert key[:2] == (local._version, dtq.weights.unwrap(local)._version)
+        if quantized_gather:
+            key = local._amax_cache[0]  # (wrapper version, data version, quantizer, dtype): gather.amax_key
+            assert key[:2] == (local._version, dtq.weights.unwrap(local)._version)
+        else:  # a plain shard: FSDP2 gathers it as it is
+            assert type(local) is torch.Tensor, type(local)
     assert seen == [True] * 3 and losses[2] < losses[0], (seen, losses)
-    return model, optimizers
+    return model, optimizers, losses
 
 
 def _check_titan(rank, world, root):
     from tests.parallel.test_sharded_equals_single import _state
 
     dtq.parallel.comm_stats(reset=True)
-    model, optimizers = _train_titan(rank, world, "fp8")
+    model, optimizers, losses = _train_titan(rank, world, "fp8")
     stats = dtq.parallel.comm_stats()
     assert stats.get("fp8/rowwise", 0) > 0 and stats.get("fp8/columnwise", 0) > 0, stats
+    # quantized_gather=False: plain weights gathered unquantized, the GEMMs quantizing the whole
+    # weight as the quantized gather delivers it: the same losses, bit for bit, and no dtq gathers
+    dtq.parallel.comm_stats(reset=True)
+    plain_losses = _train_titan(rank, world, "fp8", quantized_gather=False)[2]
+    assert plain_losses == losses, (plain_losses, losses)
+    assert dtq.parallel.comm_stats() == {}
     # torchtitan's checkpointer saves and restores the high-precision dtq weights
     checkpointer = _titan_checkpointer(root, model, optimizers)
     assert checkpointer.save(curr_step=3)
@@ -210,7 +221,7 @@ def _check_titan(rank, world, root):
     _check_same(_state(model), saved)
     # delayed scaling: the forward's dtq.autocast reduces the amaxes over the data-parallel ranks,
     # so ranks that saw different tokens keep identical histories (and they start at zero)
-    model, _ = _train_titan(rank, world, "fp8-delayed")
+    model, _, _ = _train_titan(rank, world, "fp8-delayed")
     hist = torch.cat([b.flatten() for n, b in model.named_buffers() if "amax_history_" in n])
     assert hist.numel() and hist.abs().sum() > 0
     both = [torch.empty_like(hist) for _ in range(world)]
@@ -689,6 +700,9 @@ def test_torchtitan_converter_reports_and_strict(caplog):
     assert "kept output: MXFP8BlockScaling cannot quantize its weight [100, 64]" in caplog.text
     with pytest.raises(ValueError, match=r"DtqConverter\(strict=True\).*\n  output: MXFP8BlockScaling"):
         DtqConverter.Config(recipe="mxfp8", strict=True).build().convert(_titan_model_config())
+    refused = r"quantized_gather=False needs quantized_params=False .*: DtqConverter.Config"
+    with pytest.raises(ValueError, match=refused):
+        DtqConverter.Config(quantized_params=True, quantized_gather=False).build()
 
 
 def test_torchtitan_quantized_linear_in_one_process():
