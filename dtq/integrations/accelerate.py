@@ -34,18 +34,33 @@ def _fsdp_world(accelerator: Accelerator) -> int:
 
 
 def convert(
-    accelerator: Accelerator, model: torch.nn.Module, recipe: Recipe | str, **convert_kwargs: Any
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    recipe: Recipe | str,
+    *,
+    quantized_gather: bool = True,
+    **convert_kwargs: Any,
 ) -> torch.nn.Module:
     """``dtq.convert(model, recipe=recipe, ...)`` with the shape check sized to the FSDP sharding
-    ``accelerator.prepare`` will apply; build the optimizer on the returned model's parameters."""
+    ``accelerator.prepare`` will apply; build the optimizer on the returned model's parameters.
+    ``quantized_gather=False``: plain weights that FSDP2 gathers unquantized, each GEMM quantizing
+    its gathered weight (``dtq.parallel.gather_high_precision``)."""
     if accelerator.mixed_precision == "fp8":
         raise ValueError(
             "dtq.integrations.accelerate.convert: Accelerator(mixed_precision='fp8') converts the same "
             "Linear layers with TransformerEngine / torchao / MS-AMP; dtq quantizes them itself, so "
             "use mixed_precision='no' or 'bf16' with dtq"
         )
+    if convert_kwargs.get("quantized_params") and not quantized_gather:
+        raise ValueError(
+            "dtq.integrations.accelerate.convert: quantized_gather=False needs quantized_params=False "
+            "(quantized parameters are gathered in their format)"
+        )
     convert_kwargs.setdefault("fsdp_world", _fsdp_world(accelerator))
-    return dtq.convert(model, recipe=as_recipe(recipe), **convert_kwargs)
+    model = dtq.convert(model, recipe=as_recipe(recipe), **convert_kwargs)
+    if not quantized_gather:
+        dtq.parallel.gather_high_precision(model)
+    return model
 
 
 def prepare(accelerator: Accelerator, *objects: Any, **prepare_kwargs: Any) -> Any:

@@ -24,7 +24,7 @@ from lightning.pytorch.plugins.precision import Precision
 
 import dtq
 from dtq.integrations._common import check_master_weights
-from dtq.parallel.fsdp import precompute_amax
+from dtq.parallel.fsdp import gather_high_precision, precompute_amax
 from dtq.presets import as_recipe
 from dtq.recipe import Recipe
 
@@ -33,7 +33,9 @@ class DtqPrecision(Precision):
     """Quantized GEMMs (and, with ``quantized_params=True``, quantized parameters) by ``recipe``: a
     dtq recipe or a ``dtq.presets`` name. Parameters keep their dtype ("32-true" to Lightning);
     ``module_filter_fn`` and ``strict`` are ``dtq.convert``'s. Quantized parameters need a
-    ``dtq.optim.MasterWeightOptimizer`` from ``configure_optimizers`` (checked at setup)."""
+    ``dtq.optim.MasterWeightOptimizer`` from ``configure_optimizers`` (checked at setup).
+    ``quantized_gather=False``: plain weights that FSDP2 gathers unquantized, each GEMM quantizing
+    its gathered weight (``dtq.parallel.gather_high_precision``; convert before ``fully_shard``)."""
 
     precision = "32-true"
 
@@ -42,11 +44,18 @@ class DtqPrecision(Precision):
         recipe: Recipe | str,
         *,
         quantized_params: bool = False,
+        quantized_gather: bool = True,
         module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = None,
         strict: bool = False,
     ):
+        if quantized_params and not quantized_gather:
+            raise ValueError(
+                "DtqPrecision: quantized_gather=False needs quantized_params=False (quantized parameters "
+                "are gathered in their format)"
+            )
         self.recipe = as_recipe(recipe)
         self.quantized_params, self.module_filter_fn, self.strict = quantized_params, module_filter_fn, strict
+        self.quantized_gather = quantized_gather
         self._converted: weakref.WeakSet = weakref.WeakSet()
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -60,6 +69,8 @@ class DtqPrecision(Precision):
             module_filter_fn=self.module_filter_fn,
             strict=self.strict,
         )
+        if not self.quantized_gather:
+            gather_high_precision(module)
         self._converted.add(module)
         return module
 

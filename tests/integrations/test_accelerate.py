@@ -67,6 +67,12 @@ def test_accelerate_refuses_plain_optimizers_and_its_own_fp8():
 
     try:
         accelerator = Accelerator(cpu=True)
+        plain = dtq_accelerate.convert(accelerator, torch.nn.Linear(H, H), "mxfp8", quantized_gather=False)
+        assert type(plain.weight) is torch.nn.Parameter  # gathered unquantized by FSDP2
+        with pytest.raises(ValueError, match="quantized_gather=False needs quantized_params=False"):
+            dtq_accelerate.convert(
+                accelerator, torch.nn.Linear(H, H), "mxfp8", quantized_params=True, quantized_gather=False
+            )
         qmodel = dtq_accelerate.convert(accelerator, torch.nn.Linear(H, H), "mxfp8", quantized_params=True)
         with pytest.raises(ValueError, match=r"weight \(and 0 more\) are quantized parameters, stepped by SGD"):
             dtq_accelerate.prepare(accelerator, qmodel, torch.optim.SGD(qmodel.parameters(), lr=0.1))

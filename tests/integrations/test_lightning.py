@@ -75,16 +75,22 @@ def _check_lightning(rank, world):
 
     from dtq.integrations.lightning import DtqPrecision
 
-    module = _lightning_module(convert_in_configure_model=True)
-    trainer = _trainer(
-        ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1), DtqPrecision("fp8"), devices=world
-    )
-    dtq.parallel.comm_stats(reset=True)
-    trainer.fit(module, _loader())
+    def fit(plugin):
+        module = _lightning_module(convert_in_configure_model=True)
+        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+        dtq.parallel.comm_stats(reset=True)
+        _trainer(strategy, plugin, devices=world).fit(module, _loader())
+        return module, dtq.parallel.comm_stats()
+
+    module, stats = fit(DtqPrecision("fp8"))
     assert isinstance(module.net[0], dtq.nn.Linear) and hasattr(module.net[0].weight, "device_mesh")
     assert len(module.losses) == 3 and module.losses[2] < module.losses[0], module.losses
-    stats = dtq.parallel.comm_stats()
     assert stats.get("fp8/rowwise", 0) > 0 and stats.get("fp8/columnwise", 0) > 0, stats
+    # quantized_gather=False: FSDP2 gathers plain shards, the GEMMs quantize the whole weight as the
+    # quantized gather delivers it: the same losses, bit for bit, and no dtq gathers
+    plain, stats = fit(DtqPrecision("fp8", quantized_gather=False))
+    assert type(plain.net[0].weight._local_tensor) is torch.Tensor and stats == {}, stats
+    assert plain.losses == module.losses, (plain.losses, module.losses)
 
 
 def test_lightning_plugin_trains_under_fsdp2():
@@ -108,3 +114,5 @@ def test_lightning_plugin_single_device_and_master_weight_check():
     module = _lightning_module(convert_in_configure_model=False)
     with pytest.raises(ValueError, match=r"net\.0\.weight \(and 1 more\) are quantized parameters, stepped by AdamW"):
         _trainer("auto", plugin).fit(module, _loader())
+    with pytest.raises(ValueError, match="quantized_gather=False needs quantized_params=False"):
+        DtqPrecision("mxfp8", quantized_params=True, quantized_gather=False)
