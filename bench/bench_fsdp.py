@@ -20,6 +20,8 @@ A mode ending in `` compiled`` compiles each block (``torch.compile(block)``) be
 
 Bytes are counted at the collectives (every all-gather output and reduce-scatter input FSDP2
 issues, per rank: ``dtq.launch.metrics.CollectiveBytes``), so every mode is measured the same way.
+Each step starts on an idle GPU; ``host ms by rank`` is the median time each rank's host takes to
+issue a step (a step near it is host-bound, and a collective waits for the slowest rank).
 """
 
 from __future__ import annotations
@@ -260,7 +262,7 @@ def main() -> None:
             n_params = sum(p.numel() for p in model.parameters())
             x = torch.randn(args.batch, args.seq, args.hidden, device="cuda", dtype=torch.bfloat16)
             train_step = make_step(model, recipe, opt, x, mode)
-            times = []
+            times, host = [], []
             torch.cuda.reset_peak_memory_stats()
             for step in range(args.steps):
                 if step == args.steps // 2:  # steady state: count the second half only
@@ -271,10 +273,14 @@ def main() -> None:
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 train_step()
+                host.append(time.perf_counter() - t0)  # issued: what the host needed (GPU not waited on)
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
             counted, moved = args.steps - args.steps // 2, counter.take()
             step_s = statistics.median(times[args.steps // 2 :])
+            # each rank's host time per step: a collective's kernel waits for the slowest rank's launch
+            host_ms = [None] * world
+            dist.all_gather_object(host_ms, statistics.median(host[args.steps // 2 :]) * 1e3)
             row = {
                 "mode": mode,
                 "world": world,
@@ -286,6 +292,7 @@ def main() -> None:
                 "reduce_scatter_mb_per_step": moved.get("reduce_scattered", 0) / counted / 1e6,
                 "dtq_comm_stats_mb_per_step": {k: v / counted / 1e6 for k, v in dtq.parallel.comm_stats().items()},
                 "peak_mem_mib": torch.cuda.max_memory_allocated() / 2**20,
+                "host_ms_by_rank": host_ms,
                 "dynamo": dynamo_counts(),
                 "allocator": {k: v - alloc0[k] for k, v in allocator_counts().items()},  # over the timed steps
             }
@@ -294,7 +301,8 @@ def main() -> None:
                 print(
                     f"{mode:32s} {row['step_ms']:8.1f} ms/step  {row['tokens_per_s']:10,.0f} tok/s  "
                     f"AG {row['all_gather_mb_per_step']:8.1f} MB  RS {row['reduce_scatter_mb_per_step']:8.1f} MB  "
-                    f"peak {row['peak_mem_mib']:7.0f} MiB  (steps {min(row['timed_steps_ms']):.1f}-"
+                    f"peak {row['peak_mem_mib']:7.0f} MiB  host ms by rank "
+                    f"{'/'.join(f'{h:.1f}' for h in host_ms)}  (steps {min(row['timed_steps_ms']):.1f}-"
                     f"{max(row['timed_steps_ms']):.1f} ms; dynamo {row['dynamo']}; allocator {row['allocator']})",
                     flush=True,
                 )
