@@ -119,17 +119,22 @@ def _weight(weight: torch.Tensor, w_fields: list[torch.Tensor], wkey: int, live=
     return lf.unflatten_saved(list(w_fields), [spec])[0]
 
 
-def _layout(key: int, need_dgrad: bool, need_wgrad: bool, x, weight, has_x_amax: bool) -> list:
+def _layout(
+    key: int, need_dgrad: bool, need_wgrad: bool, x_shape, x_dtype, weight, wkey: int, has_x_amax: bool
+) -> list:
     """The saved-operand specs (``flatten_saved``) of a forward call, from a run of the forward
     on empty meta tensors (the bias changes only y): what ``dtq::linear_backward`` unflattens
-    its saved list with."""
-    fields, wkey = _weight_fields(weight) if isinstance(weight, QUANTIZED) else ([], 0)
-    k = (key, need_dgrad, need_wgrad, tuple(x.shape), x.dtype, tuple(weight.shape), weight.dtype, wkey, has_x_amax)
+    its saved list with. ``wkey``: the quantized weight's layout key where the caller has it (0:
+    taken from ``weight``); the weight is taken apart only to build a layout not met yet."""
+    if not wkey and isinstance(weight, QUANTIZED):
+        wkey = _weight_fields(weight)[1]
+    k = (key, need_dgrad, need_wgrad, tuple(x_shape), x_dtype, tuple(weight.shape), weight.dtype, wkey, has_x_amax)
     specs = _layouts.get(k)
     if specs is None:
         meta = torch.device("meta")
-        xm = torch.empty(x.shape, dtype=x.dtype, device=meta)
+        xm = torch.empty(x_shape, dtype=x_dtype, device=meta)
         if wkey:
+            fields = _weight_fields(weight)[0]
             wm = _weight(None, [torch.empty_like(f, device=meta) for f in fields], wkey)
         else:
             wm = torch.empty(weight.shape, dtype=weight.dtype, device=meta)
@@ -304,8 +309,7 @@ def _linear_backward_impl(
             wobj = live if isinstance(live, QuantizedTensor) else w
         grads = plan.backward(dy, tuple(saved), wobj, None, w.dtype, need_bgrad, dy_amax, dy_payloads or None)
         return [g.contiguous() for g in grads if g is not None]
-    x_meta = torch.empty(x_shape, dtype=x_dtype, device="meta")
-    specs = _layout(key, need_dgrad, need_wgrad, x_meta, w, has_x_amax)
+    specs = _layout(key, need_dgrad, need_wgrad, x_shape, x_dtype, w, wkey, has_x_amax)
     saved_x, saved_w = lf.unflatten_saved(list(saved), specs)
     if specs[1][0] == "obj":  # the quantized weight itself (its meta stand-in in the layout)
         # under FSDP2, the parameter the backward all-gather refilled, as eager backward reads it
