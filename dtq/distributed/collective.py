@@ -13,7 +13,8 @@ clears this module) leaves the worker nothing to free. Several are kept, not one
 worker threads, so a later collective can finish on one while the other, descheduled, still holds
 an earlier work (keeping only the last still aborted about one run in ten on a loaded machine).
 Only CPU collectives (gloo's) are kept: a CUDA one's buffers (an activation's gradient, say) would
-otherwise stay allocated until later.
+otherwise stay allocated until later. A collective without tensors (a barrier) is kept where its
+group's backend is gloo: a gloo barrier's work holds the works issued before it.
 """
 
 from __future__ import annotations
@@ -35,16 +36,16 @@ def run(collective: Callable[..., dist.Work | None], *args, **kwargs) -> None:
     if work is None:  # this rank is not in the group: nothing was issued
         return
     work.wait()
-    if _on_cpu(args):
+    if _on_cpu(args, kwargs.get("group")):
         _recent.append(work)
 
 
-def _on_cpu(args: tuple) -> bool:
+def _on_cpu(args: tuple, group) -> bool:
     """Whether the collective's first tensor argument (or first tensor of a list argument) is on
-    the CPU."""
+    the CPU; without tensors, whether ``group``'s backend is gloo."""
     for a in args:
         if isinstance(a, (list, tuple)) and a:
             a = a[0]
         if isinstance(a, torch.Tensor):
             return a.device.type == "cpu"
-    return False
+    return dist.get_backend(group) == "gloo"

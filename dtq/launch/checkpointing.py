@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from dtq.distributed import collective
+
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # A save in progress (``tmp``) and a committed checkpoint moved aside to be replaced (``old``).
 _STAGED_DIR = re.compile(r"^(step_\d+)\.(tmp|old)-[0-9a-f]+$")
@@ -170,13 +172,13 @@ def save(
     dist.broadcast_object_list(token, src=0)  # one temporary directory for all ranks
     tmp = final.with_name(f"{final.name}.tmp-{token[0]}")
     dcp.save(_state(model, optimizer, train_state, device, dist.get_rank()), checkpoint_id=str(tmp))
-    dist.barrier()  # every rank's files are written (and rank 0's .metadata)
+    collective.run(dist.barrier)  # every rank's files are written (and rank 0's .metadata)
     if dist.get_rank() == 0:
         if run_info is not None:
             (tmp / RUN_INFO).write_text(json.dumps(run_info, indent=1) + "\n")
         _commit(tmp, final, token[0])
         prune(out_dir, keep)
-    dist.barrier()  # nobody goes on before the checkpoint is in place
+    collective.run(dist.barrier)  # nobody goes on before the checkpoint is in place
     return final
 
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import dtq
+from dtq.distributed import collective
 from dtq.launch import checkpointing, data, metrics, optim, parallel, preflight, progress
 from dtq.launch import config as config_mod
 from dtq.launch import dist as launch_dist
@@ -201,7 +202,7 @@ def evaluate(model, val: data.ByteWindows, cfg: config_mod.Config, recipe, devic
         x, y = val.batch((i * world + rank) * b, b)
         with quantized(recipe):
             total += lm_loss(model, x.to(device), y.to(device))
-    dist.all_reduce(total)  # the tp ranks of a replica hold the same loss: average over every rank
+    collective.run(dist.all_reduce, total)  # the tp ranks of a replica hold the same loss: average over all
     model.train()
     return total.item() / (dist.get_world_size() * cfg.train.eval_batches)
 
@@ -348,7 +349,7 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto", 
             interval_steps += 1
 
             if step % tc.log_every == 0 or step == tc.steps:
-                dist.all_reduce(loss_sum)
+                collective.run(dist.all_reduce, loss_sum)
                 elapsed = time.perf_counter() - t0
                 rec = {
                     "kind": "train",
@@ -413,11 +414,14 @@ def main(argv: list[str] | None = None) -> dict:
         result = train(cfg, resume=args.resume, launcher=args.launcher, overwrite=args.overwrite)
         # Every rank past its last collective before any tears its process groups down: a gloo
         # rank that exits while a peer's work is still in flight can abort at interpreter exit.
-        dist.barrier()
+        # Through dtq's collective.run, like the trainer's other collectives: it keeps gloo's
+        # works, so gloo's worker thread is never the one that frees them (which, at interpreter
+        # exit, aborted two-rank CPU runs: docs/troubleshooting.md).
+        collective.run(dist.barrier)
         return result
     except config_mod.ConfigError as e:
         if dist.is_initialized():
-            dist.barrier()  # raised on every rank alike: none is left inside a collective
+            collective.run(dist.barrier)  # raised on every rank alike: none is left inside a collective
         if _is_first_rank(args.launcher):
             print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
