@@ -15,11 +15,19 @@ an earlier work (keeping only the last still aborted about one run in ten on a l
 Only CPU collectives (gloo's) are kept: a CUDA one's buffers (an activation's gradient, say) would
 otherwise stay allocated until later. A collective without tensors (a barrier) is kept where its
 group's backend is gloo: a gloo barrier's work holds the works issued before it.
+
+Works dtq does not issue (FSDP2's gathers and reduce-scatters, a script's own) can still be last
+held by a gloo worker that is descheduled between finishing one and dropping it; CI saw two-rank
+CPU scripts abort so at exit (about one run in fifty, not reproducible on demand). So once a
+process has run a gloo collective here, an ``atexit`` handler gives gloo's workers a moment
+(``EXIT_GRACE_S``) while the interpreter is still whole, then frees the kept works itself.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
+import time
 from collections.abc import Callable
 
 import torch
@@ -27,6 +35,8 @@ import torch.distributed as dist
 
 _KEPT = 16
 _recent: collections.deque = collections.deque(maxlen=_KEPT)  # the latest CPU collectives' works
+EXIT_GRACE_S = 0.1  # at exit, after a gloo collective: time for gloo's workers to drop their works
+_exit_hook = False
 
 
 def run(collective: Callable[..., dist.Work | None], *args, **kwargs) -> None:
@@ -38,6 +48,22 @@ def run(collective: Callable[..., dist.Work | None], *args, **kwargs) -> None:
     work.wait()
     if _on_cpu(args, kwargs.get("group")):
         _recent.append(work)
+        _register_exit_hook()
+
+
+def _register_exit_hook() -> None:
+    global _exit_hook
+    if not _exit_hook:
+        atexit.register(_let_gloo_workers_finish)
+        _exit_hook = True
+
+
+def _let_gloo_workers_finish() -> None:
+    """At exit (``atexit``: before the interpreter starts finalizing, so other threads may still
+    take the GIL): wait ``EXIT_GRACE_S`` for gloo's workers to drop the works they finished, then
+    free the kept ones here."""
+    time.sleep(EXIT_GRACE_S)
+    _recent.clear()
 
 
 def _on_cpu(args: tuple, group) -> bool:

@@ -86,3 +86,38 @@ def test_gloo_barrier_work_is_kept():
     from dtq.testing import spawn
 
     spawn(_check_barrier_work_kept, 2, backend="gloo")
+
+
+_EXIT_SCRIPT = textwrap.dedent(
+    """
+    import atexit, sys
+    import torch
+    import torch.distributed as dist
+    from dtq.distributed import collective
+
+    dist.init_process_group("gloo")
+    assert not collective._exit_hook
+    collective.run(dist.all_reduce, torch.ones(4))
+    assert collective._exit_hook and len(collective._recent) == 1
+    seen = []
+    real = collective._let_gloo_workers_finish
+    def recorded():
+        real()
+        seen.append(len(collective._recent))
+        print("exit hook ran, kept works left:", seen[0], flush=True)
+    atexit.unregister(real)
+    atexit.register(recorded)
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_exit_hook_waits_for_gloo_workers_then_frees_kept_works(tmp_path):
+    """After a gloo collective through ``collective.run``, the process's exit runs the hook that
+    gives gloo's workers ``EXIT_GRACE_S`` and then frees the kept works while the interpreter is
+    whole (the exit abort this guards against is the module docstring's)."""
+    script = tmp_path / "exit_hook.py"
+    script.write_text(_EXIT_SCRIPT)
+    for rank, proc in enumerate(_one_job(str(script))):
+        assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{proc.stdout[-3000:]}"
+        assert "exit hook ran, kept works left: 0" in proc.stdout, proc.stdout[-3000:]
