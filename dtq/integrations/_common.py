@@ -28,6 +28,17 @@ def check_master_weights(
         )
 
 
+def check_gather_settings(who: str, quantized_params: bool, quantized_gather: bool) -> None:
+    """``quantized_gather=False`` (``dtq.parallel.gather_high_precision``) is for high-precision
+    weights: quantized parameters are stored, and gathered, in their format."""
+    if quantized_params and not quantized_gather:
+        raise ValueError(
+            f"{who}: quantized_gather=False needs quantized_params=False (quantized parameters are "
+            "gathered in their format); keep quantized_gather=True with quantized parameters, or train "
+            "high-precision weights to gather them unquantized"
+        )
+
+
 def precompute_after_steps(optimizer: torch.optim.Optimizer, models: Iterable[torch.nn.Module]) -> Callable[[], None]:
     """End every step of ``optimizer`` with ``dtq.parallel.precompute_amax`` over ``models``: the
     next forward's FSDP2 gathers find the weight amaxes reduced, one all-reduce per process group

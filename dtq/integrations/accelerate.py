@@ -20,7 +20,12 @@ from accelerate.utils import DistributedType
 
 import dtq
 from dtq._warn import warn_once
-from dtq.integrations._common import check_master_weights, has_dtq_modules, precompute_after_steps
+from dtq.integrations._common import (
+    check_gather_settings,
+    check_master_weights,
+    has_dtq_modules,
+    precompute_after_steps,
+)
 from dtq.presets import as_recipe
 from dtq.recipe import Recipe
 
@@ -51,11 +56,9 @@ def convert(
             "Linear layers with TransformerEngine / torchao / MS-AMP; dtq quantizes them itself, so "
             "use mixed_precision='no' or 'bf16' with dtq"
         )
-    if convert_kwargs.get("quantized_params") and not quantized_gather:
-        raise ValueError(
-            "dtq.integrations.accelerate.convert: quantized_gather=False needs quantized_params=False "
-            "(quantized parameters are gathered in their format)"
-        )
+    check_gather_settings(
+        "dtq.integrations.accelerate.convert", bool(convert_kwargs.get("quantized_params")), quantized_gather
+    )
     convert_kwargs.setdefault("fsdp_world", _fsdp_world(accelerator))
     model = dtq.convert(model, recipe=as_recipe(recipe), **convert_kwargs)
     if not quantized_gather:

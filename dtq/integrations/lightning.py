@@ -23,7 +23,7 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 
 import dtq
-from dtq.integrations._common import check_master_weights
+from dtq.integrations._common import check_gather_settings, check_master_weights
 from dtq.parallel.fsdp import gather_high_precision, precompute_amax
 from dtq.presets import as_recipe
 from dtq.recipe import Recipe
@@ -48,11 +48,7 @@ class DtqPrecision(Precision):
         module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = None,
         strict: bool = False,
     ):
-        if quantized_params and not quantized_gather:
-            raise ValueError(
-                "DtqPrecision: quantized_gather=False needs quantized_params=False (quantized parameters "
-                "are gathered in their format)"
-            )
+        check_gather_settings("DtqPrecision", quantized_params, quantized_gather)
         self.recipe = as_recipe(recipe)
         self.quantized_params, self.module_filter_fn, self.strict = quantized_params, module_filter_fn, strict
         self.quantized_gather = quantized_gather

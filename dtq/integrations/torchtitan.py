@@ -76,7 +76,12 @@ from torchtitan.protocols.module import Module
 from dtq._torch_private import local_tensor
 from dtq.autocast import autocast
 from dtq.convert import FILTERED, ConvertReport, quantize_module_weights
-from dtq.integrations._common import check_master_weights, has_dtq_modules, precompute_after_steps
+from dtq.integrations._common import (
+    check_gather_settings,
+    check_master_weights,
+    has_dtq_modules,
+    precompute_after_steps,
+)
 from dtq.integrations._torchtitan_tp import tp_style
 from dtq.nn.linear import Linear
 from dtq.nn.module import QuantizedModule
@@ -86,11 +91,6 @@ from dtq.parallel.master import quantize_master_weights
 from dtq.presets import recipe_from_name
 from dtq.recipe import Recipe
 from dtq.shapes import linear_problem, shape_problems
-
-_GATHER_NEEDS_HIGH_PRECISION = (
-    "dtq.integrations.torchtitan: quantized_gather=False needs quantized_params=False (quantized "
-    "parameters are gathered in their format): "
-)
 
 
 class DtqLinear(Linear, Module):
@@ -119,8 +119,8 @@ class DtqLinear(Linear, Module):
         self.gemm_state.default_recipe = recipe
         if recipe.delayed:  # its amax histories now, so a fresh model's state dict has their keys
             self.init_recipe_state(recipe)
-        if config.quantized_params and not config.quantized_gather:
-            raise ValueError(_GATHER_NEEDS_HIGH_PRECISION + (config.name or "a DtqLinear"))
+        who = f"dtq.integrations.torchtitan: {config.name or 'a DtqLinear'}"
+        check_gather_settings(who, config.quantized_params, config.quantized_gather)
         if config.quantized_params:  # on the meta device: zero payloads, written by init_states
             quantize_module_weights(self, recipe, fqn=config.name)
         if not config.quantized_gather:
@@ -273,8 +273,9 @@ class DtqConverter(ModelConfigConverter):
         one host (docs/benchmarks.md, FSDP2)."""
 
     def __init__(self, config: Config):
-        if config.quantized_params and not config.quantized_gather:
-            raise ValueError(_GATHER_NEEDS_HIGH_PRECISION + "DtqConverter.Config")
+        check_gather_settings(
+            "dtq.integrations.torchtitan: DtqConverter.Config", config.quantized_params, config.quantized_gather
+        )
         self.config = config
         self.recipe = recipe_from_name(config.recipe)
         self.fsdp_world = config.fsdp_world or int(os.environ.get("WORLD_SIZE", "1"))
