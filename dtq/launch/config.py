@@ -117,6 +117,9 @@ class TrainConfig:
     quantized_params: bool = False
     recompute: bool = False
     compile: bool = False  # torch.compile each block (dtq's GEMMs are custom ops inside its graph)
+    # where backward runs on GPUs: "caller", the training loop's thread; "autograd", torch's
+    # default worker thread per device (more host time per step: docs/benchmarks.md, "The trainer")
+    backward_thread: Literal["caller", "autograd"] = "caller"
     offload: Literal["none", "save_on_cpu", "dtq"] = "none"
     # "auto": GEMMs too small to gain from the recipe stay in high precision, by the rule measured
     # for it on this device at batch_size x seq_len tokens (dtq.SizeRule.measured)

@@ -170,6 +170,14 @@ def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
+def run_backward(loss: torch.Tensor, thread: str) -> None:
+    """``loss.backward()`` on the thread ``train.backward_thread`` names. "caller" keeps autograd's
+    GPU work on this thread: torch's worker thread per device costs host time per op, and a
+    quantized step has more ops to launch (bench/results/train1b_1gpu_h200_backward_thread_9cf98e2.txt)."""
+    with torch.autograd.set_multithreading_enabled(thread == "autograd"):
+        loss.backward()
+
+
 def quantized(recipe):
     """``dtq.autocast`` of ``recipe`` (None: BF16). Delayed-scaling amax histories are reduced over
     every rank, so all ranks use one scale per tensor and hold the same histories."""
@@ -337,7 +345,7 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto", 
             x, y = x.to(device), y.to(device)
             with quantized(recipe), activation_memory(tc, device):
                 loss = lm_loss(model, x, y)
-            loss.backward()
+            run_backward(loss, tc.backward_thread)
             if tc.grad_clip > 0:
                 optim.clip_grad_norm(model.parameters(), tc.grad_clip)
             opt.step()

@@ -21,6 +21,7 @@ from dtq.launch import (
     preflight,
     progress,
 )
+from dtq.launch import train as train_mod
 from dtq.launch.model import Decoder, rotary
 from dtq.launch.recipes import RECIPES, build_recipe
 from dtq.testing import spawn
@@ -54,6 +55,7 @@ def test_unknown_recipe_lists_the_valid_ones():
         ("parallel.replicate=0", "parallel.replicate = 0: Input should be greater than 0"),
         ("train.keep_checkpoints=-1", "train.keep_checkpoints = -1: Input should be greater than or equal to 0"),
         ("model.vocab=100", "model.vocab = 100: Input should be greater than or equal to 256"),
+        ("train.backward_thread=main", "train.backward_thread = 'main': Input should be 'caller' or 'autograd'"),
     ],
 )
 def test_bad_configs_say_what_to_change(override, message):
@@ -428,3 +430,17 @@ def test_optimizer_is_multi_tensor_adamw_on_cpu():
     cfg = config.load(TINY)
     opt = optim.build_optimizer(Decoder(cfg.model), cfg.train)
     assert type(opt) is torch.optim.AdamW and not opt.defaults["fused"]
+
+
+@pytest.mark.parametrize("thread", ["caller", "autograd"])
+def test_backward_runs_on_the_thread_the_config_names(thread):
+    # train.backward_thread: "caller" turns torch's worker thread per device off for the step's
+    # backward (what a GPU backward then runs on); "autograd" leaves it on
+    seen = []
+    x = torch.ones(3, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: seen.append(torch._C._is_multithreading_enabled()))
+    train_mod.run_backward(y.sum(), thread)
+    assert seen == [thread == "autograd"]
+    assert torch._C._is_multithreading_enabled()  # the setting is the step's only
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
