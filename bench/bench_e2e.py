@@ -126,7 +126,7 @@ def prepare(build, recipe, x, args, device):
             torch.compiler.cudagraph_mark_step_begin()
         with record_function("forward"), dtq.autocast(recipe, enabled=recipe is not None):
             loss = model(x).float().square().mean()
-        with record_function("backward"):
+        with record_function("backward"), torch.autograd.set_multithreading_enabled(args.backward_thread == "autograd"):
             loss.backward()
         with record_function("optimizer"):
             opt.step()
@@ -384,6 +384,13 @@ def main() -> None:
         action="store_true",
         help="also each dtq recipe converted with dtq.SizeRule.measured(recipe, tokens=batch*seq): GEMMs too "
         "small to gain kept in BF16",
+    )
+    p.add_argument(
+        "--backward-thread",
+        choices=["autograd", "caller"],
+        default="autograd",
+        help="where backward runs: torch's worker thread per device (its default, as most loops run it) or the "
+        "calling thread (torch.autograd.set_multithreading_enabled(False), the trainer's default)",
     )
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default="")

@@ -154,11 +154,12 @@ def allocator_counts() -> dict:
     return {k: stats.get(k, 0) for k in _ALLOCATOR_KEYS}
 
 
-def make_step(model, recipe, opt, x, mode: str):
+def make_step(model, recipe, opt, x, mode: str, backward_thread: str = "autograd"):
     def train_step():
         with dtq.autocast(recipe, enabled=recipe is not None):
             loss = model(x).float().square().mean()
-        loss.backward()
+        with torch.autograd.set_multithreading_enabled(backward_thread == "autograd"):
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         after_step(model, mode)
@@ -171,7 +172,7 @@ def profile_mode(args, mode: str, rank: int) -> None:
     every rank steps (collectives), rank 0 prints (and writes the trace, with ``--trace``)."""
     model, recipe, opt = build(args, mode)
     x = torch.randn(args.batch, args.seq, args.hidden, device="cuda", dtype=torch.bfloat16)
-    train_step = make_step(model, recipe, opt, x, mode)
+    train_step = make_step(model, recipe, opt, x, mode, args.backward_thread)
     for _ in range(2):
         train_step()
     with open(os.devnull, "w") as null, contextlib.redirect_stdout(sys.stdout if rank == 0 else null):
@@ -195,7 +196,7 @@ def python_profile(args, mode: str, rank: int, steps: int = 3) -> None:
 
     model, recipe, opt = build(args, mode)
     x = torch.randn(args.batch, args.seq, args.hidden, device="cuda", dtype=torch.bfloat16)
-    train_step = make_step(model, recipe, opt, x, mode)
+    train_step = make_step(model, recipe, opt, x, mode, args.backward_thread)
     with torch.autograd.set_multithreading_enabled(False):
         for _ in range(2):
             train_step()
@@ -240,6 +241,13 @@ def main() -> None:
         "--python", type=int, default=0, metavar="TOP", help="after timing: each mode's TOP Python functions (cProfile)"
     )
     p.add_argument("--python-dump", default="", help="with --python: a folder for rank 0's raw pstats files")
+    p.add_argument(
+        "--backward-thread",
+        choices=["autograd", "caller"],
+        default="autograd",
+        help="where backward runs: torch's worker thread per device (its default) or the calling thread "
+        "(torch.autograd.set_multithreading_enabled(False), the trainer's default)",
+    )
     p.add_argument("--out", default="")
     args = p.parse_args()
     if args.compiled_modes:
@@ -261,7 +269,7 @@ def main() -> None:
                 continue
             n_params = sum(p.numel() for p in model.parameters())
             x = torch.randn(args.batch, args.seq, args.hidden, device="cuda", dtype=torch.bfloat16)
-            train_step = make_step(model, recipe, opt, x, mode)
+            train_step = make_step(model, recipe, opt, x, mode, args.backward_thread)
             times, host = [], []
             torch.cuda.reset_peak_memory_stats()
             for step in range(args.steps):

@@ -160,6 +160,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=3000)
     p.add_argument("--size", type=int, default=256)
+    p.add_argument("--no-probes", action="store_true", help="skip the rows of single calls in forward and backward")
     args = p.parse_args()
     n, size = args.n, args.size
     dev = torch.device("cuda")
@@ -169,6 +170,8 @@ def main() -> None:
 
     ref = torch.nn.Linear(size, size, bias=False, dtype=torch.bfloat16, device=dev)
     rows["torch.nn.Linear"] = host_us(training_step(ref, list(ref.parameters()), x), n)
+    with torch.autograd.set_multithreading_enabled(False):
+        rows["  torch.nn.Linear, backward on this thread"] = host_us(training_step(ref, list(ref.parameters()), x), n)
     w = ref.weight
     rows["Python Function, 3 BF16 mm"] = host_us(training_step(lambda t: PyLinear.apply(t, w), [w], x), n)
 
@@ -273,7 +276,8 @@ def main() -> None:
     )
     rows["  one torch.mm bf16"] = host_us(lambda: torch.mm(xd, xd), n)
     rows["  torch.empty"] = host_us(lambda: torch.empty(size, size, device=dev), n)
-    probe_rows(rows, plan, x, w, dy, n)
+    if not args.no_probes:
+        probe_rows(rows, plan, x, w, dy, n)
     stub_kernels()
     layer2 = dtq.nn.Linear(size, size, bias=False, params_dtype=torch.bfloat16, device=dev)
 

@@ -3,6 +3,8 @@ recipe asks for, with the backward override applied (docs/design.md section 4)."
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -269,6 +271,22 @@ def linear_backward(
     return dx, dw, db
 
 
+def once_differentiable_lean(backward):
+    """``once_differentiable`` for a GEMM Function's backward without its ``no_grad`` region where no
+    graph is being built (every common backward: autograd runs it with grad mode off already), which
+    is host time on every GEMM; a backward under ``create_graph=True`` still gets its refusal of a
+    second differentiation."""
+    refusing = once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():
+            return refusing(ctx, *grads)
+        return backward(ctx, *grads)
+
+    return wrapper
+
+
 class LinearFn(torch.autograd.Function):
     """``y = x @ W.T + b`` as :func:`linear_forward` / :func:`linear_backward` describe, under the
     :class:`GemmCall` ``call``.
@@ -297,7 +315,7 @@ class LinearFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @once_differentiable_lean
     def backward(ctx, dy):
         saved_x, saved_w = unflatten_saved(ctx.saved_tensors, ctx.saved_specs)
         dx, dw, db = linear_backward(ctx.call, dy, saved_x, saved_w, *ctx.meta)

@@ -34,34 +34,41 @@ def _unaliased(flat: list, inputs: tuple) -> list:
     a view of one (the high-precision input of ``backward_override="high_precision"``, a
     passthrough payload) is copied; and they are contiguous, as the fake implementation says.
     Aliasing is sharing a storage: compared by storage address, one lookup per tensor (a pairwise
-    ``_is_alias_of`` cost more host time than a small GEMM's kernels)."""
+    ``_is_alias_of`` cost more host time than a small GEMM's kernels). Every compiled GEMM call
+    runs this, so plain tensors take the short way (no unwrapping, no list of inputs)."""
     if not flat:  # (a planned call given x's payloads and a quantized weight saves nothing)
         return []
-    tensors = []
-    for i in inputs:  # a quantized weight (QuantizedData) as its payload tensors
-        if isinstance(i, QUANTIZED):
-            tensors += lf.flatten_saved((i,))[0]
-        elif isinstance(i, torch.Tensor):
-            tensors.append(unwrap(i))  # dtq's weight wrapper: its data's storage
-    seen = {_storage(t) for t in tensors}
-    if None in seen:  # fake tensors (tracing can run this body on them): no address, compare pairwise
-        return _unaliased_pairwise(flat, tensors)
-    out = []
-    for t in flat:
-        if _storage(t) in seen:
-            t = t.clone(memory_format=torch.contiguous_format)
-        t = t.contiguous()  # the fake payloads are contiguous
-        seen.add(_storage(t))
-        out.append(t)
-    return out
-
-
-def _storage(t: torch.Tensor) -> int | None:
-    """The address of ``t``'s storage; None for a tensor without one (a fake tensor)."""
+    seen = set()
     try:
-        return t.untyped_storage().data_ptr()
-    except RuntimeError:
-        return None
+        for i in inputs:
+            if i is None:
+                continue
+            if type(i) is torch.Tensor:
+                seen.add(i.untyped_storage().data_ptr())
+            elif isinstance(i, QUANTIZED):  # a quantized weight (QuantizedData) as its payload tensors
+                seen.update(t.untyped_storage().data_ptr() for t in lf.flatten_saved((i,))[0])
+            elif isinstance(i, torch.Tensor):
+                seen.add(unwrap(i).untyped_storage().data_ptr())  # dtq's weight wrapper: its data's storage
+        out = []
+        for t in flat:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:
+                t = t.clone(memory_format=torch.contiguous_format)
+                ptr = t.untyped_storage().data_ptr()
+            elif not t.is_contiguous():  # the fake payloads are contiguous
+                t = t.contiguous()
+                ptr = t.untyped_storage().data_ptr()
+            seen.add(ptr)
+            out.append(t)
+        return out
+    except RuntimeError:  # fake tensors (tracing can run this body on them): no address, compare pairwise
+        tensors = []
+        for i in inputs:
+            if isinstance(i, QUANTIZED):
+                tensors += lf.flatten_saved((i,))[0]
+            elif isinstance(i, torch.Tensor):
+                tensors.append(unwrap(i))
+        return _unaliased_pairwise(flat, tensors)
 
 
 def _unaliased_pairwise(flat: list, tensors: list) -> list:

@@ -18,7 +18,6 @@ import weakref
 from typing import TYPE_CHECKING
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from dtq import kernels
 from dtq.codec import (
@@ -34,7 +33,7 @@ from dtq.codec import (
 )
 from dtq.formats import COLUMNWISE, ROWWISE
 from dtq.gemm import Operand, bind, transposed_reads
-from dtq.nn._linear_fn import check_weight_columnwise
+from dtq.nn._linear_fn import check_weight_columnwise, once_differentiable_lean
 from dtq.tensor import QUANTIZED
 
 if TYPE_CHECKING:
@@ -382,14 +381,14 @@ class PlannedLinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, plan: LinearPlan, x_amax, link):
         y, saved = plan.forward(x, weight, bias, x_amax)
         ctx.save_for_backward(*saved)
-        ctx.plan, ctx.link = plan, link
-        ctx.wobj = weight if plan.quantized_weight else None
-        ctx.meta = (weight.dtype, bias is not None and bias.requires_grad)
+        wobj = weight if plan.quantized_weight else None
+        ctx.args = (plan, wobj, link, weight.dtype, bias is not None and bias.requires_grad)
         return y
 
     @staticmethod
-    @once_differentiable
+    @once_differentiable_lean
     def backward(ctx, dy):
         _LAST.entry = None  # the forward is over: hold no input payloads through backward
-        dx, dw, db = ctx.plan.backward(dy, ctx.saved_tensors, ctx.wobj, ctx.link, *ctx.meta)
+        plan, wobj, link, w_dtype, need_bgrad = ctx.args
+        dx, dw, db = plan.backward(dy, ctx.saved_tensors, wobj, link, w_dtype, need_bgrad)
         return dx, dw, db, None, None, None

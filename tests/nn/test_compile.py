@@ -202,6 +202,18 @@ def test_op_outputs_alias_no_input_and_no_other_output(wrapped):
     assert not any(torch._C._is_alias_of(a, b) for i, a in enumerate(views) for b in views[i + 1 :])
 
 
+def test_op_outputs_alias_no_payload_of_a_quantized_input():
+    """A quantized input (a weight parameter) counts as its payload tensors."""
+    from dtq.nn import _ops
+
+    qw = dtq.Float8Quantizer().quantize(torch.randn(16, 16))
+    codes = qw.payload("rowwise")["data"]
+    fresh = torch.randn(3)
+    out = _ops._unaliased([codes, fresh], (torch.randn(2), qw, None))
+    assert out[1] is fresh and out[0] is not codes and torch.equal(out[0].view(torch.uint8), codes.view(torch.uint8))
+    assert not torch._C._is_alias_of(out[0], codes)
+
+
 class GatedMLP(torch.nn.Module):
     """fc2's input and fc1's output gradient come from pointwise ops (relu * mul and its backward),
     which inductor fuses the FP8 casts into, computing them in fp32: the casts must read the BF16

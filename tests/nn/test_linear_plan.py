@@ -192,6 +192,29 @@ def test_recipes_the_plan_cannot_take_run_the_general_path(name, monkeypatch):
     assert not layer._slots(recipe, 0).plans
 
 
+@pytest.mark.parametrize("planned", [True, False])
+def test_a_backward_that_builds_a_graph_refuses_a_second_backward(planned, monkeypatch):
+    # the GEMM Functions' backward skips once_differentiable's no_grad region when no graph is
+    # built; with create_graph=True it takes it, so differentiating dx again raises instead of
+    # silently treating the quantized GEMMs as constants
+    if not planned:
+        monkeypatch.setattr(nn_module, "plan_for", lambda *a: None)
+    recipe = dtq.Float8CurrentScaling()
+    module, layer = _module(False, False, recipe)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    with dtq.autocast(recipe):
+        y = module(x)
+    assert bool(layer._slots(recipe, 0).plans) == planned  # (the call ran the path asked for)
+    (dx,) = torch.autograd.grad(y.float().pow(2).sum(), x, create_graph=True)
+    assert dx.requires_grad
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dx.float().sum().backward()
+    with dtq.autocast(recipe):
+        y = module(x)
+    (dx2,) = torch.autograd.grad(y.float().pow(2).sum(), x)
+    assert torch.equal(_bits(dx.detach()), _bits(dx2))  # the same gradient either way
+
+
 def test_a_shape_the_format_refuses_raises_the_general_message():
     layer = dtq.nn.Linear(48, 32, bias=False, params_dtype=torch.bfloat16, name="proj")
     with pytest.raises(ValueError, match="MXFP8"), dtq.autocast(dtq.MXFP8BlockScaling()):
