@@ -34,6 +34,7 @@ from dtq.codec import (
 from dtq.formats import COLUMNWISE, ROWWISE
 from dtq.gemm import Operand, bind, transposed_reads
 from dtq.nn._linear_fn import check_weight_columnwise, once_differentiable_lean
+from dtq.nn.slot import _scales_from_tensor_amax
 from dtq.tensor import QUANTIZED
 
 if TYPE_CHECKING:
@@ -65,6 +66,8 @@ class LinearPlan:
         "x_layout",
         "x_saved",
         "g_layout",
+        "x_known",
+        "g_known",
         "fprop",
         "dgrad",
         "wgrad",
@@ -107,6 +110,8 @@ class LinearPlan:
             self.w_fields = _saved_fields(self.qw.empty(self.w2d, meta, wl.dtype)[COLUMNWISE])
         # dy's payloads as distinct tensors, likewise (the compiled path's dtq::quantize_grad)
         self.g_layout = _tensor_layout(self.qg.empty(self.g2d, meta, x_dtype)) if self.qg is not None else ()
+        # the directions of x and dy whose amax a producer's max|x| / max|dy| stands for
+        self.x_known, self.g_known = _tensor_amax_dirs(self.qx, self.x2d), _tensor_amax_dirs(self.qg, self.g2d)
         self.fprop = self.dgrad = self.wgrad = None
 
     def _transposed_columnwise(self, dev: torch.device) -> tuple[bool, bool, bool]:
@@ -146,9 +151,9 @@ class LinearPlan:
                 px.setdefault(d, {})[k] = x_payloads[i]
         elif share:
             x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-            px = _input_payloads(self.qx, x, x2, self.call.slots.sx, x_amax)
+            px = _input_payloads(self.qx, x, x2, self.x_known, x_amax)
         else:
-            px = _run(self.qx, x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), self.call.slots.sx, x_amax)
+            px = _run(self.qx, x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), self.x_known, x_amax)
         pw = {ROWWISE: wl.payload(ROWWISE)} if self.quantized_weight else _run(self.qw, as_2d(wl, self.w_quantizer))
         if self.fprop is None:
             self._bind_forward(px, pw, x, wl, bias)
@@ -168,14 +173,14 @@ class LinearPlan:
         """x's payloads as :meth:`forward` computes them, as the list ``x_layout`` describes: what
         the compiled path quantizes once for every GEMM that reads x (an op whose identical calls
         AOTAutograd merges)."""
-        px = _run(self.qx, x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), self.call.slots.sx, x_amax)
+        px = _run(self.qx, x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), self.x_known, x_amax)
         return _distinct(px, self.x_layout)
 
     def quantize_grad(self, dy: torch.Tensor, dy_amax: torch.Tensor | None) -> list[torch.Tensor]:
         """dy's payloads as :meth:`backward` computes them, as the list ``g_layout`` describes: what
         the compiled path quantizes in its backward graph, ahead of the GEMMs' op."""
         dy2 = (dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])).contiguous()
-        return _distinct(_run(self.qg, dy2, self.call.slots.sg, dy_amax), self.g_layout)
+        return _distinct(_run(self.qg, dy2, self.g_known, dy_amax), self.g_layout)
 
     def empty_grad(self, dy: torch.Tensor) -> list[torch.Tensor]:
         """What :meth:`quantize_grad` returns, empty."""
@@ -232,7 +237,7 @@ class LinearPlan:
                 known = dy_amax
                 if link is not None:  # max|dy| from the next op's kernel
                     known = link.take_grad_amax()
-                pg = _run(self.qg, dy2, call.slots.sg, known)
+                pg = _run(self.qg, dy2, self.g_known, known)
             n = len(self.x_fields)
             if call.need_dgrad:
                 if self.quantized_weight:
@@ -312,30 +317,46 @@ class _LastInput:
 _LAST = _LastInput()
 
 
-def _input_payloads(plan: QuantizePlan, x: torch.Tensor, x2: torch.Tensor, slot, known) -> dict:
+def _input_payloads(plan: QuantizePlan, x: torch.Tensor, x2: torch.Tensor, known_dirs: tuple, known) -> dict:
     """``plan``'s payloads of the input ``x`` (as the 2-D ``x2``), shared with the previous call
     that quantized the same tensor the same way (:class:`_LastInput`)."""
     if plan.uses_rng:
-        return _run(plan, x2, slot, known)
+        return _run(plan, x2, known_dirs, known)
     e = _LAST.entry
     if e is not None and e[2] is plan and e[3] is known and e[0]() is x and e[1] == x._version:
         return e[4]
-    out = _run(plan, x2, slot, known)
+    out = _run(plan, x2, known_dirs, known)
     _LAST.entry = (weakref.ref(x), x._version, plan, known, out)
     return out
 
 
-def _run(plan: QuantizePlan, x: torch.Tensor, slot=None, known: torch.Tensor | None = None) -> dict:
+def _run(plan: QuantizePlan, x: torch.Tensor, known_dirs: tuple = (), known: torch.Tensor | None = None) -> dict:
     """``plan``'s payloads of the 2-D ``x`` (``quantize_payloads`` without its lookups); ``known``:
-    max|x| computed by x's producer, used as ``Slot.quantize`` uses it."""
+    max|x| computed by x's producer, which stands for the amax of ``known_dirs`` (the plan's
+    directions scaled from max|x| over the whole tensor, :func:`_tensor_amax_dirs`), as
+    ``Slot.quantize`` uses it."""
     xc = (x.detach() if x.requires_grad else x).contiguous()
     given = _NO_AMAX
-    if known is not None:
-        rowwise, columnwise = ROWWISE in plan.directions, COLUMNWISE in plan.directions
-        amax = slot._known_amax(x, known, rowwise, columnwise)
-        if amax:
-            given = _given_amaxes(plan.q, plan, amax, tuple(xc.shape), xc.device)
+    if known is not None and known_dirs:
+        if known.dim() or known.dtype != torch.float32 or known.device != xc.device:
+            # (the codecs' own check and message for a wrong size; else the 0-dim fp32 they take)
+            given = _given_amaxes(plan.q, plan, dict.fromkeys(known_dirs, known), tuple(xc.shape), xc.device)
+        else:
+            given = dict.fromkeys(known_dirs, known)
     return plan(xc, given, _seed(None, x) if plan.uses_rng else None)
+
+
+def _tensor_amax_dirs(plan: QuantizePlan | None, shape: tuple[int, int]) -> tuple[str, ...]:
+    """The directions of ``plan`` whose amax a producer's max|x| is (``Slot._known_amax``'s rule:
+    scaled from max|x| over the whole tensor), among those it computes an amax for itself: decided
+    once per plan instead of on every call given a known amax."""
+    if plan is None:
+        return ()
+    return tuple(
+        d
+        for d in plan.own
+        if d in plan.directions and plan.needs_amax[d] and _scales_from_tensor_amax(plan.q.codec(d), shape)
+    )
 
 
 def _weight_columnwise(call: GemmCall, w) -> dict:

@@ -215,6 +215,24 @@ def test_a_backward_that_builds_a_graph_refuses_a_second_backward(planned, monke
     assert torch.equal(_bits(dx.detach()), _bits(dx2))  # the same gradient either way
 
 
+def test_a_producers_amax_is_taken_whatever_its_shape_and_dtype_and_checked():
+    # a planned call takes a known max|x| (a producer's) as is when it is the 0-dim fp32 the
+    # codecs take, converts one of another shape or dtype, and names a wrong size
+    recipe = dtq.Float8CurrentScaling()
+    layer = dtq.nn.Linear(64, 32, bias=False, params_dtype=torch.bfloat16)
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    amax = x.float().abs().max()
+    with dtq.autocast(recipe):
+        ref = layer._linear(x, layer.weight, None, x_amax=amax)
+        other = layer._linear(x, layer.weight, None, x_amax=amax.reshape(1).double())
+        scaled = layer._linear(x, layer.weight, None, x_amax=amax * 3)  # (x 2 would round alike)
+        with pytest.raises(ValueError, match="amax has shape"):
+            layer._linear(x, layer.weight, None, x_amax=torch.ones(3))
+    assert layer._slots(recipe, 0).plans  # (the calls ran planned)
+    assert torch.equal(_bits(ref), _bits(other))
+    assert not torch.equal(_bits(ref), _bits(scaled))  # (the given amax is what scales x)
+
+
 def test_a_shape_the_format_refuses_raises_the_general_message():
     layer = dtq.nn.Linear(48, 32, bias=False, params_dtype=torch.bfloat16, name="proj")
     with pytest.raises(ValueError, match="MXFP8"), dtq.autocast(dtq.MXFP8BlockScaling()):
