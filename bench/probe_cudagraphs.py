@@ -48,7 +48,8 @@ def main() -> None:
                 return graphed(torch.compile(model, mode=CUDAGRAPHS, fullgraph=True))
             return graphed(compile_blocks(model, CUDAGRAPHS))
 
-        step = prepare(compiled, recipe, x, argparse.Namespace(warmup=4), torch.device("cuda"))
+        step_args = argparse.Namespace(warmup=4, backward_thread="autograd")
+        step = prepare(compiled, recipe, x, step_args, torch.device("cuda"))
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(10):

@@ -118,7 +118,8 @@ class TrainConfig:
     recompute: bool = False
     compile: bool = False  # torch.compile each block (dtq's GEMMs are custom ops inside its graph)
     # where backward runs on GPUs: "caller", the training loop's thread; "autograd", torch's
-    # default worker thread per device (more host time per step: docs/benchmarks.md, "The trainer")
+    # default worker thread per device (more host time per step: docs/benchmarks.md, "Which GEMMs
+    # gain", backward on the training loop's thread)
     backward_thread: Literal["caller", "autograd"] = "caller"
     offload: Literal["none", "save_on_cpu", "dtq"] = "none"
     # "auto": GEMMs too small to gain from the recipe stay in high precision, by the rule measured

@@ -38,8 +38,8 @@ def _unaliased(flat: list, inputs: tuple) -> list:
     runs this, so plain tensors take the short way (no unwrapping, no list of inputs)."""
     if not flat:  # (a planned call given x's payloads and a quantized weight saves nothing)
         return []
-    seen = set()
     try:
+        seen = set()
         for i in inputs:
             if i is None:
                 continue
@@ -49,18 +49,7 @@ def _unaliased(flat: list, inputs: tuple) -> list:
                 seen.update(t.untyped_storage().data_ptr() for t in lf.flatten_saved((i,))[0])
             elif isinstance(i, torch.Tensor):
                 seen.add(unwrap(i).untyped_storage().data_ptr())  # dtq's weight wrapper: its data's storage
-        out = []
-        for t in flat:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr in seen:
-                t = t.clone(memory_format=torch.contiguous_format)
-                ptr = t.untyped_storage().data_ptr()
-            elif not t.is_contiguous():  # the fake payloads are contiguous
-                t = t.contiguous()
-                ptr = t.untyped_storage().data_ptr()
-            seen.add(ptr)
-            out.append(t)
-        return out
+        ptrs = [t.untyped_storage().data_ptr() for t in flat]
     except RuntimeError:  # fake tensors (tracing can run this body on them): no address, compare pairwise
         tensors = []
         for i in inputs:
@@ -69,6 +58,17 @@ def _unaliased(flat: list, inputs: tuple) -> list:
             elif isinstance(i, torch.Tensor):
                 tensors.append(unwrap(i))
         return _unaliased_pairwise(flat, tensors)
+    out = []
+    for t, ptr in zip(flat, ptrs):
+        if ptr in seen:
+            t = t.clone(memory_format=torch.contiguous_format)
+            ptr = t.untyped_storage().data_ptr()
+        elif not t.is_contiguous():  # the fake payloads are contiguous
+            t = t.contiguous()
+            ptr = t.untyped_storage().data_ptr()
+        seen.add(ptr)
+        out.append(t)
+    return out
 
 
 def _unaliased_pairwise(flat: list, tensors: list) -> list:

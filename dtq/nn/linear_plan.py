@@ -34,7 +34,7 @@ from dtq.codec import (
 from dtq.formats import COLUMNWISE, ROWWISE
 from dtq.gemm import Operand, bind, transposed_reads
 from dtq.nn._linear_fn import check_weight_columnwise, once_differentiable_lean
-from dtq.nn.slot import _scales_from_tensor_amax
+from dtq.nn.slot import tensor_amax_directions
 from dtq.tensor import QUANTIZED
 
 if TYPE_CHECKING:
@@ -352,11 +352,8 @@ def _tensor_amax_dirs(plan: QuantizePlan | None, shape: tuple[int, int]) -> tupl
     once per plan instead of on every call given a known amax."""
     if plan is None:
         return ()
-    return tuple(
-        d
-        for d in plan.own
-        if d in plan.directions and plan.needs_amax[d] and _scales_from_tensor_amax(plan.q.codec(d), shape)
-    )
+    dirs = tensor_amax_directions(plan.q, plan.directions, shape)
+    return tuple(d for d in plan.own if d in dirs and plan.needs_amax[d])  # (_given_amaxes' filter)
 
 
 def _weight_columnwise(call: GemmCall, w) -> dict:

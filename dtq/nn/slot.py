@@ -90,12 +90,8 @@ class Slot:
         """``{direction: known}`` for the requested directions whose scale derives from max|x|
         over the whole tensor (current scaling), where ``known`` is that value already (computed
         by the kernel that produced x)."""
-        shape = shape_2d(x.shape)
-        return {
-            d: known
-            for d, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise))
-            if on and _scales_from_tensor_amax(self.quantizer.codec(d), shape)
-        }
+        dirs = tuple(d for d, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if on)
+        return dict.fromkeys(tensor_amax_directions(self.quantizer, dirs, shape_2d(x.shape)), known)
 
     def takes_tensor_amax(self) -> bool:
         """Whether a direction of this slot scales from max|x| over the whole tensor (current
@@ -195,6 +191,13 @@ def _history_kernel_input(hist: torch.Tensor, x: torch.Tensor | None, cur: torch
     if x.dim() < 2 or not x.numel() or x.dtype not in kernels.INPUT_DTYPES or not kernels.available(hist.device):
         return False
     return x.reshape(-1, x.shape[-1])
+
+
+def tensor_amax_directions(q, directions, shape: tuple[int, int]) -> tuple[str, ...]:
+    """The ``directions`` of quantizer ``q`` whose scale derives from max|x| over the whole [M, K]
+    tensor (current scaling): those an amax its producer computed stands for. The one rule for the
+    general path (``Slot._known_amax``) and planned calls (``LinearPlan.x_known``)."""
+    return tuple(d for d in directions if _scales_from_tensor_amax(q.codec(d), shape))
 
 
 def _scales_from_tensor_amax(codec, shape: tuple[int, int]) -> bool:

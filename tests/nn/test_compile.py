@@ -184,13 +184,19 @@ def test_fsdp2_over_compiled_blocks(quantized_params):
     spawn(_fsdp_compiled_blocks, 2, quantized_params, backend="gloo")  # CPU blocks, whatever GPUs there are
 
 
+def _no_pairwise(*args):
+    raise AssertionError("real tensors take the storage-address comparison, not the pairwise one (fake tensors')")
+
+
 @pytest.mark.parametrize("wrapped", [False, True])
-def test_op_outputs_alias_no_input_and_no_other_output(wrapped):
+def test_op_outputs_alias_no_input_and_no_other_output(wrapped, monkeypatch):
     """The GEMM ops' outputs (``_ops._unaliased``): one sharing a storage with an input or with an
     earlier output is copied, a fresh contiguous one passes as it is, all come out contiguous;
     dtq's weight wrapper counts as the tensor it wraps."""
     from dtq.nn import _ops
     from dtq.weights import HighPrecisionWeight
+
+    monkeypatch.setattr(_ops, "_unaliased_pairwise", _no_pairwise)
 
     x, w, fresh = torch.randn(8, 4), torch.randn(4, 4), torch.randn(4, 8)
     inputs = (x, HighPrecisionWeight.wrap(w) if wrapped else w, None)
@@ -202,9 +208,11 @@ def test_op_outputs_alias_no_input_and_no_other_output(wrapped):
     assert not any(torch._C._is_alias_of(a, b) for i, a in enumerate(views) for b in views[i + 1 :])
 
 
-def test_op_outputs_alias_no_payload_of_a_quantized_input():
+def test_op_outputs_alias_no_payload_of_a_quantized_input(monkeypatch):
     """A quantized input (a weight parameter) counts as its payload tensors."""
     from dtq.nn import _ops
+
+    monkeypatch.setattr(_ops, "_unaliased_pairwise", _no_pairwise)
 
     qw = dtq.Float8Quantizer().quantize(torch.randn(16, 16))
     codes = qw.payload("rowwise")["data"]

@@ -215,22 +215,45 @@ def test_a_backward_that_builds_a_graph_refuses_a_second_backward(planned, monke
     assert torch.equal(_bits(dx.detach()), _bits(dx2))  # the same gradient either way
 
 
-def test_a_producers_amax_is_taken_whatever_its_shape_and_dtype_and_checked():
-    # a planned call takes a known max|x| (a producer's) as is when it is the 0-dim fp32 the
-    # codecs take, converts one of another shape or dtype, and names a wrong size
-    recipe = dtq.Float8CurrentScaling()
+def _same(a: list, b: list) -> bool:
+    return all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+
+
+def _given_amax_run(layer, x, recipe, amax, planned: bool, monkeypatch):
+    with monkeypatch.context() as m:
+        if not planned:
+            m.setattr(nn_module, "plan_for", lambda *a: None)
+        torch.manual_seed(1)  # stochastic rounding draws the same seeds in both runs
+        x = x.detach().clone().requires_grad_()
+        with dtq.autocast(recipe):
+            y = layer._linear(x, layer.weight, None, x_amax=amax)
+        y.float().pow(2).sum().backward()
+    out = [_bits(y), _bits(x.grad), _bits(layer.weight.grad)]
+    layer.weight.grad = None
+    return out
+
+
+@pytest.mark.parametrize("name", ["fp8", "nvfp4", "hybrid"])
+def test_a_producers_amax_reaches_the_directions_the_general_path_gives_it(name, monkeypatch):
+    # a planned call takes a known max|x| (a producer's) for the directions scaled from max|x|
+    # over the whole tensor (NVFP4: its rowwise direction, not the random-Hadamard columnwise
+    # one; the MXFP8/NVFP4 hybrid's input: none), as the general path does; as is when it is the
+    # 0-dim fp32 the codecs take, converted when of another shape or dtype, and a wrong size is named
+    recipe = recipe_from_name(name)
+    torch.manual_seed(0)
     layer = dtq.nn.Linear(64, 32, bias=False, params_dtype=torch.bfloat16)
-    x = torch.randn(16, 64, dtype=torch.bfloat16)
-    amax = x.float().abs().max()
-    with dtq.autocast(recipe):
-        ref = layer._linear(x, layer.weight, None, x_amax=amax)
-        other = layer._linear(x, layer.weight, None, x_amax=amax.reshape(1).double())
-        scaled = layer._linear(x, layer.weight, None, x_amax=amax * 3)  # (x 2 would round alike)
-        with pytest.raises(ValueError, match="amax has shape"):
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    amax = x.float().abs().max() * 3  # (not max|x|: where taken, the given amax is what scales x)
+    planned = _given_amax_run(layer, x, recipe, amax, True, monkeypatch)
+    ((_, plan),) = layer._slots(recipe, 0).plans.values()  # (the call ran planned)
+    takers = {"fp8": ("rowwise",), "nvfp4": ("rowwise",), "hybrid": ()}[name]  # (FP8's columnwise: its twin)
+    assert plan.x_known == takers
+    assert _same(planned, _given_amax_run(layer, x, recipe, amax, False, monkeypatch))
+    assert _same(planned, _given_amax_run(layer, x, recipe, amax.reshape(1).double(), True, monkeypatch))
+    assert _same(planned, _given_amax_run(layer, x, recipe, None, True, monkeypatch)) == (not takers)
+    if takers:
+        with pytest.raises(ValueError, match="amax has shape"), dtq.autocast(recipe):
             layer._linear(x, layer.weight, None, x_amax=torch.ones(3))
-    assert layer._slots(recipe, 0).plans  # (the calls ran planned)
-    assert torch.equal(_bits(ref), _bits(other))
-    assert not torch.equal(_bits(ref), _bits(scaled))  # (the given amax is what scales x)
 
 
 def test_a_shape_the_format_refuses_raises_the_general_message():
