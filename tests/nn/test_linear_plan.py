@@ -32,6 +32,11 @@ def _bits(t):
     return None if t is None else t.detach().contiguous().view(torch.uint8)
 
 
+def _same(a: list, b: list) -> bool:
+    """Two runs' bit patterns (``_bits`` of each tensor, None where there is none) are identical."""
+    return all(u is None and v is None or torch.equal(u, v) for u, v in zip(a, b, strict=True))
+
+
 def _run(module, x, recipe, planned: bool, monkeypatch, *, x_grad=True, offload=False):
     with monkeypatch.context() as m:
         if not planned:
@@ -73,7 +78,7 @@ def test_planned_calls_give_the_general_paths_bits(name, bias, device, monkeypat
         layer.weight.requires_grad_(weight_grad)
         want = _run(module, x, recipe, False, monkeypatch, x_grad=x_grad, offload=offload)
         got = _run(module, x, recipe, True, monkeypatch, x_grad=x_grad, offload=offload)
-        assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(got, want)), (name, x_grad)
+        assert _same(got, want), (name, x_grad)
     plans = layer._slots(recipe, 0).plans
     assert len(plans) == 3, plans  # one per gradient combination: the planned path ran
 
@@ -86,7 +91,7 @@ def test_planned_calls_with_quantized_weights(name, device, monkeypatch):
     x = torch.randn(32, 64, dtype=torch.bfloat16, device=device)
     want = _run(module, x, recipe, False, monkeypatch)
     got = _run(module, x, recipe, True, monkeypatch)
-    assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(got, want)), name
+    assert _same(got, want), name
     assert layer._slots(recipe, 0).plans
 
 
@@ -170,7 +175,7 @@ def test_gemms_reading_one_input_quantize_it_once(name, write, device, monkeypat
     runs, real = [], linear_plan._run
     monkeypatch.setattr(linear_plan, "_run", lambda plan, x2, *a: runs.append(x2.shape) or real(plan, x2, *a))
     got = _run(module, x, recipe, True, monkeypatch, x_grad=not write)
-    assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(got, want)), name
+    assert _same(got, want), name
     forward = runs[: runs.index(torch.Size([64, 64]), 1) + 3]  # up to the last weight: x's and the weights'
     assert forward.count(torch.Size([32, 64])) == (2 if write else 1), runs
     saved = []
@@ -213,10 +218,6 @@ def test_a_backward_that_builds_a_graph_refuses_a_second_backward(planned, monke
         y = module(x)
     (dx2,) = torch.autograd.grad(y.float().pow(2).sum(), x)
     assert torch.equal(_bits(dx.detach()), _bits(dx2))  # the same gradient either way
-
-
-def _same(a: list, b: list) -> bool:
-    return all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
 
 
 def _given_amax_run(layer, x, recipe, amax, planned: bool, monkeypatch):
@@ -273,7 +274,7 @@ def test_planned_layernorm_mlp_with_the_swiglu_amax_link(name, device, monkeypat
     x = torch.randn(2, 16, 64, dtype=torch.bfloat16, device=device)
     want = _run(mlp, x, recipe, False, monkeypatch)
     got = _run(mlp, x, recipe, True, monkeypatch)
-    assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(got, want)), name
+    assert _same(got, want), name
     assert mlp._slots(recipe, 0).plans and mlp._slots(recipe, 1).plans
 
 
