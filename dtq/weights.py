@@ -97,6 +97,7 @@ class HighPrecisionWeight(torch.Tensor):
         self._data = data
         self._amax_cache = None
         self._shard_cache = None
+        self._gather_static = {}  # dtq.distributed.gather's per-plan decisions, by gathered directions
         return self
 
     @staticmethod

@@ -15,6 +15,12 @@ def record(format_name: str, direction: str, nbytes: int) -> None:
     _BYTES[f"{format_name}/{direction}"] += int(nbytes)
 
 
+def add(counts) -> None:
+    """Add ``(key, bytes)`` pairs, keys as :func:`comm_stats` names them."""
+    for key, nbytes in counts:
+        _BYTES[key] += nbytes
+
+
 def record_fallback(dtype, nbytes: int, where: str, why: str) -> None:
     """Count a high-precision gather and warn once per reason (naming the first parameter)."""
     name = str(dtype).replace("torch.", "")

@@ -127,17 +127,16 @@ def _check_alignment(ctx: GatherContext, quantizer: Quantizer, dirs, full_shape,
     _aligned.add(key)
 
 
-def _record(lay: _Layout, fields, world: int, moved_bytes: int) -> None:
-    """Bytes all-gathered per direction; any packing slack is charged to the first direction."""
+def _record(lay: _Layout, fields, world: int, moved_bytes: int) -> list[tuple[str, int]]:
+    """Bytes all-gathered per direction (``comm_stats`` keys); any packing slack is charged to the
+    first direction."""
     per_dir: dict[str, int] = {}
     for (d, _), t in zip(lay.layout, fields):
         per_dir[d] = per_dir.get(d, 0) + t.numel() * t.element_size() * world
     if per_dir:
         first = next(iter(per_dir))
         per_dir[first] += moved_bytes - sum(per_dir.values())
-    for d, name in lay.format_names:
-        if d in per_dir:
-            comm.record(name, d, per_dir[d])
+    return [(f"{name}/{d}", per_dir[d]) for d, name in lay.format_names if d in per_dir]
 
 
 def _pack(inputs: list[torch.Tensor], shape) -> torch.Tensor:
@@ -263,8 +262,24 @@ def _gather_layout(quantizer: Quantizer, dirs: tuple, full_shape, world: int, de
     return found
 
 
-def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, fallback: str | None = None, derived=()):
-    lay = _gather_layout(quantizer, tuple(dirs), full_shape, world, tuple(derived))
+def _finish(
+    ctx: GatherContext,
+    quantizer,
+    dirs,
+    payloads,
+    full_shape,
+    world,
+    fallback: str | None = None,
+    derived=(),
+    lay: _Layout | None = None,
+    records: list | None = None,
+):
+    """The all-gather inputs and metadata of ``payloads``. ``lay``: the gather's layout where the
+    caller has it; ``records``: a list that keeps this gather's byte counts (its first call fills
+    it, later ones add the same counts without working them out again: they depend only on the
+    layout and the shapes)."""
+    if lay is None:
+        lay = _gather_layout(quantizer, tuple(dirs), full_shape, world, tuple(derived))
     fields = [payloads[d][f].contiguous() for d, f in lay.layout]
     shared = {k: payloads[k[0]][k[1]] for k in lay.shared}
     packed = None
@@ -284,16 +299,53 @@ def _finish(ctx: GatherContext, quantizer, dirs, payloads, full_shape, world, fa
         dtypes = tuple(t.dtype for t in fields)
         inputs = [as_bytes(t) for t in fields]
     resize_gather_buffers(ctx, inputs, world)
-    moved_bytes = sum(t.numel() * t.element_size() for t in inputs) * world
-    if fallback:
-        comm.record_fallback(payloads[dirs[0]]["data"].dtype, moved_bytes, ctx.param_name, fallback)
+    if records:
+        comm.add(records)
     else:
-        _record(lay, fields, world, moved_bytes)
-    for name, what, nbytes in lay.derived_bytes:
-        comm.record(name, what, nbytes)
+        moved_bytes = sum(t.numel() * t.element_size() for t in inputs) * world
+        if fallback:
+            comm.record_fallback(payloads[dirs[0]]["data"].dtype, moved_bytes, ctx.param_name, fallback)
+        else:
+            counts = _record(lay, fields, world, moved_bytes)
+            counts += [(f"{name}/{what}", nbytes) for name, what, nbytes in lay.derived_bytes]
+            comm.add(counts)
+            if records is not None:
+                records += counts
     full = torch.Size(full_shape)
     meta = _GatherMeta(quantizer, dirs, lay.layout, shared, full, lay.aliases, ctx.param_name, packed, dtypes, derived)
     return tuple(inputs), meta
+
+
+class _Static(NamedTuple):
+    """What the gathers of one weight in one plan (quantizer, directions, mesh, shapes) decide
+    before any value: kept on the weight per gathered directions, so each gather of a step runs
+    only the per-value part (FSDP2 calls the hook for every weight on every gather, on each step's
+    critical path)."""
+
+    key: tuple  # (quantizer, planned directions, delayed, mesh, full shape, shard shape, gathered dtype)
+    world: int
+    dirs: tuple  # the directions moved
+    derived: tuple  # the directions derived after the gather
+    reusable: bool  # a backward gather may take the forward's quantized shard
+    lay: _Layout
+    records: list  # comm_stats' byte counts of one gather (filled by the first)
+
+
+def _static(weight, quantizer, plan_dirs: tuple, delayed: bool, mesh, outer_size, shard_shape, dtype, ctx) -> _Static:
+    key = (quantizer, plan_dirs, delayed, mesh, outer_size, shard_shape, dtype)
+    memo = weight._gather_static
+    found = memo.get(plan_dirs)
+    if found is not None and found.key == key:  # (identity first: the same quantizer and mesh objects)
+        return found
+    world = mesh.size()
+    _check_alignment(ctx, quantizer, plan_dirs, outer_size, world)
+    dirs, derived = split_derived(quantizer, plan_dirs, shape_2d(shard_shape))
+    # (delayed scaling's amax moves with its history, not with the weight, and stochastic
+    # rounding draws anew: quantized anew)
+    reusable = not delayed and not any(quantizer.codec(d).uses_rng() for d in dirs)
+    lay = _gather_layout(quantizer, tuple(dirs), outer_size, world, tuple(derived))
+    found = memo[plan_dirs] = _Static(key, world, dirs, derived, reusable, lay, [])
+    return found
 
 
 def high_precision_pre_all_gather(weight: torch.Tensor, data: torch.Tensor, mesh, outer_size, module, mp_policy):
@@ -302,31 +354,28 @@ def high_precision_pre_all_gather(weight: torch.Tensor, data: torch.Tensor, mesh
     ctx = gather_context(weight)
     _check_supported(ctx)
     check_launched_world()
-    world = mesh.size()
     param_dtype = mp_policy.param_dtype or weight.dtype
     plan = _planner(module, ctx).gather_plan(ctx, None, DIRECTIONS)
-    quantizer, dirs, fallback = plan.quantizer, plan.directions, plan.why if plan.fallback else None
-    derived = ()
-    if fallback:
+    quantizer = plan.quantizer
+    if plan.fallback:
+        dirs, world = plan.directions, mesh.size()
         payloads = quantize_payloads(quantizer, data.detach().to(param_dtype), dirs)
         _keep_shard(weight, ctx, None, payloads)
-    else:
-        _check_alignment(ctx, quantizer, dirs, outer_size, world)
-        dirs, derived = split_derived(quantizer, dirs, shape_2d(data.shape))
-        # (delayed scaling's amax moves with its history, not with the weight, and stochastic
-        # rounding draws anew: quantized anew)
-        reusable = plan.weight_amax is None and not any(quantizer.codec(d).uses_rng() for d in dirs)
-        key = amax_key(weight, data, quantizer, param_dtype) if reusable else None
-        payloads = _reused_shard(weight, key, quantizer, dirs) if key is not None else None
-        if payloads is None:
-            shard = data.detach().to(param_dtype)
-            fused = plan.weight_amax is None  # (one rank: the quantize pass takes the amax itself)
-            amax = _global_amax(weight, data, quantizer, shard, mesh, ctx.param_name, dirs, fused)
-            if plan.weight_amax is not None:
-                amax = plan.weight_amax(amax)
-            payloads = quantize_payloads(quantizer, shard, dirs, amax=amax)
-        _keep_shard(weight, ctx, key, payloads)
-    return _finish(ctx, quantizer, dirs, payloads, outer_size, world, fallback, derived)
+        return _finish(ctx, quantizer, dirs, payloads, outer_size, world, plan.why)
+    delayed = plan.weight_amax is not None
+    st = _static(weight, quantizer, plan.directions, delayed, mesh, outer_size, data.shape, param_dtype, ctx)
+    dirs = st.dirs
+    key = amax_key(weight, data, quantizer, param_dtype) if st.reusable else None
+    payloads = _reused_shard(weight, key, quantizer, dirs) if key is not None else None
+    if payloads is None:
+        shard = data.detach().to(param_dtype)
+        fused = plan.weight_amax is None  # (one rank: the quantize pass takes the amax itself)
+        amax = _global_amax(weight, data, quantizer, shard, mesh, ctx.param_name, dirs, fused, st.world)
+        if plan.weight_amax is not None:
+            amax = plan.weight_amax(amax)
+        payloads = quantize_payloads(quantizer, shard, dirs, amax=amax)
+    _keep_shard(weight, ctx, key, payloads)
+    return _finish(ctx, quantizer, dirs, payloads, outer_size, st.world, None, st.derived, st.lay, st.records)
 
 
 def _reused_shard(weight, key: tuple, quantizer: Quantizer, dirs) -> dict | None:
@@ -338,11 +387,24 @@ def _reused_shard(weight, key: tuple, quantizer: Quantizer, dirs) -> dict | None
         return None
     out = {}
     for d in dirs:
-        src = d if d in have else next((s for s in have if quantizer.aliases((s, d)).get(d) == s), None)
+        src = d if d in have else _twin(quantizer, d, tuple(have))
         if src is None:
             return None
         out[d] = have[src]
     return out
+
+
+_twins: dict = {}
+
+
+def _twin(quantizer: Quantizer, d: str, have: tuple) -> str | None:
+    """The direction of ``have`` whose payload is bitwise ``d``'s, if any (per quantizer, once)."""
+    key = (quantizer, d, have)
+    if key not in _twins:
+        if len(_twins) > 4096:
+            _twins.clear()
+        _twins[key] = next((s for s in have if quantizer.aliases((s, d)).get(d) == s), None)
+    return _twins[key]
 
 
 def _keep_shard(weight, ctx: GatherContext, key: tuple | None, payloads: dict) -> None:
@@ -411,16 +473,18 @@ def _global_amax(
     name: str,
     dirs,
     fused: bool = False,
+    world: int | None = None,
 ) -> dict | None:
     """The whole weight's amaxes for quantizing ``shard``: cached (``precompute_amax``, or an
     earlier gather of the same values), or taken and reduced now. None when the shard is the whole
     weight and ``fused`` (the caller quantizes with the amax as it is): the quantize then takes
-    the amax in the same pass as the values, as it would for the unsharded weight."""
+    the amax in the same pass as the values, as it would for the unsharded weight. ``world``:
+    ``mesh.size()``, where the caller has it."""
     key = amax_key(local, data, quantizer, shard.dtype)
     cached = local.cached_amax(key)
     if cached is not None and _amax_directions(quantizer, dirs) <= set(cached):
         return cached
-    if fused and mesh.size() == 1:
+    if fused and (world if world is not None else mesh.size()) == 1:
         return None
 
     def reduce(amax: dict) -> dict:

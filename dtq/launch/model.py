@@ -17,13 +17,19 @@ from dtq.launch.config import ModelConfig
 from dtq.parallel import tp
 
 
-def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
+def rotary_table(seq: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and ``sin`` of ``pos * theta^(-2i/d)``, each ``[seq, head_dim / 2]`` in fp32."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.arange(seq, device=device, dtype=torch.float32)[:, None] * inv_freq
+    return angles.cos(), angles.sin()
+
+
+def rotary(x: torch.Tensor, theta: float, table: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Rotary position embedding of ``x: [batch, heads, seq, head_dim]`` (pairs ``(i, i + d/2)``
-    rotated by ``pos * theta^(-2i/d)``, as in Llama), computed in fp32."""
-    d = x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    angles = torch.arange(x.shape[-2], device=x.device, dtype=torch.float32)[:, None] * inv_freq
-    cos, sin = angles.cos(), angles.sin()
+    rotated by ``pos * theta^(-2i/d)``, as in Llama), computed in fp32. ``table``: ``rotary_table``'s
+    result for this shape, made once per step by the decoder (computing the angles inside each
+    compiled block costs a cos and a sin per element of q and k, several times the rotation itself)."""
+    cos, sin = table if table is not None else rotary_table(x.shape[-2], x.shape[-1], theta, x.device)
     a, b = x.float().chunk(2, dim=-1)
     return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1).to(x.dtype)
 
@@ -42,11 +48,11 @@ class Attention(torch.nn.Module):
         )
         self.proj = dtq.nn.Linear(cfg.hidden, cfg.hidden, bias=False, name=f"{name}.proj")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         qkv = self.qkv(x)  # [seq, batch, 3 * local hidden]: the whole sequence, under SP too
         t, b, n = qkv.shape
         q, k, v = qkv.view(t, b, n // (3 * self.head_dim), 3, self.head_dim).permute(3, 1, 2, 0, 4)
-        q, k = rotary(q, self.theta), rotary(k, self.theta)
+        q, k = rotary(q, self.theta, rope), rotary(k, self.theta, rope)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [batch, heads, seq, head_dim]
         return self.proj(out.permute(2, 0, 1, 3).reshape(t, b, -1))
 
@@ -70,8 +76,9 @@ class Block(torch.nn.Module):
             swiglu_interleave=SWIGLU_INTERLEAVE if cfg.ffn_hidden % SWIGLU_INTERLEAVE == 0 else None,
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(x)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``rope``: the decoder's ``rotary_table`` for the whole sequence (made here when None)."""
+        x = x + self.attn(x, rope)
         return x + self.mlp(x)
 
 
@@ -97,6 +104,7 @@ class Decoder(torch.nn.Module):
             torch.nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
         self.recompute = False
         self.sp_group = None
+        self.head_dim, self.theta = cfg.hidden // cfg.heads, cfg.rope_theta
 
     @property
     def blocks(self) -> list[torch.nn.Module]:
@@ -104,10 +112,11 @@ class Decoder(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens).transpose(0, 1)  # sequence-first: the dim sequence parallelism splits
+        rope = rotary_table(tokens.shape[1], self.head_dim, self.theta, tokens.device)  # once per step, not per block
         if self.sp_group is not None:
             x = tp.SplitToSP.apply(x, self.sp_group)
         for layer in self.layers:
-            x = checkpoint(layer, x, use_reentrant=False) if self.recompute and self.training else layer(x)
+            x = checkpoint(layer, x, rope, use_reentrant=False) if self.recompute and self.training else layer(x, rope)
         if self.sp_group is not None:
             x = tp.GatherToReplicated.apply(x, self.sp_group)
         return self.lm_head(self.norm(x.transpose(0, 1)))

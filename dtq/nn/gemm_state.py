@@ -82,6 +82,10 @@ class GemmState:
     # Why the module's GEMMs stay in high precision under every recipe (dtq.apply_size_rule: too
     # small to gain); None: they follow the recipe.
     high_precision: str | None = None
+    # gather_plan's answers without delayed scaling, by (weight, FSDP2 state, reshard, recompute,
+    # directions held): (recipe, quantizer, high_precision, plan), reused while a gather's recipe,
+    # quantizer and size-rule decision are those (FSDP2 asks for every weight on every gather)
+    _gather_plans: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def set_tensor_parallel(self, specs: Mapping[int, TPSpec], mesh: DeviceMesh) -> None:
         """Split the module's GEMMs ``{gemm index: TPSpec}`` over the 1-D ``mesh``."""
@@ -98,6 +102,25 @@ class GemmState:
         is quantized with the weight slot of the recipe the gather serves."""
         self.fsdp_gathered = True
         recipe = self._gather_recipe(ctx)
+        key = (ctx.leaf_name, ctx.training_state, ctx.reshard_after_forward, self.recompute, have)
+        hit = self._gather_plans.get(key)
+        if (
+            hit is not None
+            and (hit[0] is recipe or hit[0] == recipe)
+            and hit[1] is quantizer
+            and hit[2] is self.high_precision
+        ):
+            return hit[3]
+        plan = self._gather_plan(ctx, recipe, quantizer, have)
+        if plan.weight_amax is None:  # (delayed scaling's plan holds this gather's context)
+            if len(self._gather_plans) > 64:
+                self._gather_plans.clear()
+            self._gather_plans[key] = (recipe, quantizer, self.high_precision, plan)
+        return plan
+
+    def _gather_plan(
+        self, ctx: GatherContext, recipe: Recipe | None, quantizer: Quantizer | None, have: tuple[str, ...]
+    ) -> GatherPlan:
         if quantizer is not None:
             return GatherPlan(quantizer, self._needed_directions(ctx, recipe, have))
         slot = self._weight_slot(ctx, recipe) if recipe is not None else None
@@ -206,7 +229,7 @@ class GemmState:
     def __getstate__(self) -> dict:
         # an AmaxSync holds a process group: neither pickled nor deep-copied (rebuilt next step);
         # the owner is set again by the module (QuantizedModule.__setstate__)
-        return {**self.__dict__, "amax_sync": None, "owner": None}
+        return {**self.__dict__, "amax_sync": None, "owner": None, "_gather_plans": {}}
 
     def __deepcopy__(self, memo) -> GemmState:
         return GemmState(

@@ -75,8 +75,12 @@ def precompute_amax(model: torch.nn.Module, recipe=None) -> None:
     ``precompute_float8_dynamic_scale_for_fsdp``); gathers reuse the result until the weight changes.
     Weights sharded over one rank are skipped: there is nothing to reduce, and their gathers take
     the amax in the same pass that quantizes (a separate pass per weight cost ~10 ms of a
-    ``llama1b_1gpu`` step on an H100)."""
+    ``llama1b_1gpu`` step on an H100). A job of one process returns at once: every group has one
+    rank, and finding that out weight by weight costs Python on every step of a host-bound
+    single-GPU run."""
     check_launched_world()
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return
     groups: dict = {}
     for fqn, module in model.named_modules():
         if not isinstance(module, QuantizedModule):

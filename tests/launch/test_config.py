@@ -22,7 +22,7 @@ from dtq.launch import (
     progress,
 )
 from dtq.launch import train as train_mod
-from dtq.launch.model import Decoder, rotary
+from dtq.launch.model import Decoder, rotary, rotary_table
 from dtq.launch.recipes import RECIPES, build_recipe
 from dtq.testing import spawn
 
@@ -174,6 +174,8 @@ def test_rotary_preserves_norms_and_is_relative():
     r = rotary(q, 10000.0)
     assert torch.allclose(r.norm(dim=-1), q.norm(dim=-1), atol=1e-5)
     assert torch.equal(r[..., 0, :], q[..., 0, :])  # position 0 is not rotated
+    # the decoder's once-per-step table gives the bits of the angles computed in place
+    assert torch.equal(rotary(q, 10000.0, rotary_table(8, 16, 10000.0, q.device)), r)
 
 
 def test_metrics_log_drops_records_after_the_resumed_step(tmp_path):

@@ -80,3 +80,43 @@ def test_a_misaligned_gather_is_refused_every_time():
             _check_alignment(ctx, q, (dtq.COLUMNWISE,), shape, 2)
     _check_alignment(ctx, q, (dtq.COLUMNWISE,), shape, 3)  # 128 rows per shard: fine, and again
     _check_alignment(ctx, q, (dtq.COLUMNWISE,), shape, 3)
+
+
+def _recipe_switches(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+
+    def model():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(dtq.nn.Linear(64, 64, bias=False), dtq.nn.Linear(64, 64, bias=False))
+        for layer in m:
+            fully_shard(layer, mesh=mesh)  # (resharded after each forward and backward: gathered every step)
+        fully_shard(m, mesh=mesh)
+        return m
+
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    fp8, mx = dtq.Float8CurrentScaling(), dtq.MXFP8BlockScaling()
+
+    def run(m, recipe):
+        dtq.parallel.comm_stats(reset=True)
+        with dtq.autocast(recipe, enabled=recipe is not None):
+            y = m(x)
+        y.sum().backward()
+        grads = [p.grad.full_tensor() for p in m.parameters()]
+        m.zero_grad(set_to_none=True)
+        return (y, *grads), {k.split("/")[0] for k in dtq.parallel.comm_stats()}
+
+    fresh = {name: run(model(), r)[0] for name, r in (("fp8", fp8), ("mx", mx))}
+    m = model()
+    # each gather quantizes with the recipe active now: the per-weight decisions kept between
+    # gathers (gather plan, layout, byte counts) follow a switch and come back after it
+    for name, recipe, fmt in (("fp8", fp8, "fp8"), ("mx", mx, "mxfp8"), ("fp8", dtq.Float8CurrentScaling(), "fp8")):
+        y, formats = run(m, recipe)
+        assert formats == {fmt}, (name, formats)
+        assert all(torch.equal(a, b) for a, b in zip(y, fresh[name])), name
+    _, formats = run(m, None)  # quantization off: gathered in high precision
+    assert formats == {"float32"}, formats
+    assert run(m, mx)[0][0].equal(fresh["mx"][0])  # and quantized again after
+
+
+def test_gathers_follow_a_recipe_switched_between_steps():
+    spawn(_recipe_switches, 2, backend="gloo")
