@@ -499,7 +499,9 @@ def _dequantize_weight_impl(
 ) -> torch.Tensor:
     """A quantized weight in high precision (a GEMM outside dtq.autocast), as eager's
     ``DequantizeWeight`` computes it; its gradient passes to the parameter unchanged. ``handle``
-    and ``gemm``: whose weight it is (what its layout is, in a graph another process compiled)."""
+    and ``gemm``: whose weight it is (what its layout is, in a graph another process compiled;
+    whether FSDP2 gathered it for a recipe, which a forward without one may not use)."""
+    handle.check_gathered_for(None)
     out = _weight(weight, w_fields, wkey, lambda: handle.weight(gemm)).dequantize(dtype)
     return out.clone() if any(torch._C._is_alias_of(out, f) for f in w_fields) else out
 

@@ -82,6 +82,10 @@ class GemmState:
     # Why the module's GEMMs stay in high precision under every recipe (dtq.apply_size_rule: too
     # small to gain); None: they follow the recipe.
     high_precision: str | None = None
+    # The recipe FSDP2's last gather outside backward quantized the high-precision shards for, as
+    # (recipe,); None: no such gather. A forward under another recipe while FSDP2 still holds those
+    # weights gathered (reshard_after_forward=False after a forward without backward) is refused.
+    gathered_for: tuple | None = None
     # gather_plan's answers without delayed scaling, by (weight, FSDP2 state, reshard, recompute,
     # directions held): (recipe, quantizer, high_precision, plan), reused while a gather's recipe,
     # quantizer and size-rule decision are those (FSDP2 asks for every weight on every gather)
@@ -102,6 +106,8 @@ class GemmState:
         is quantized with the weight slot of the recipe the gather serves."""
         self.fsdp_gathered = True
         recipe = self._gather_recipe(ctx)
+        if quantizer is None and ctx.training_state != "PRE_BACKWARD":
+            self.gathered_for = (recipe,)
         key = (ctx.leaf_name, ctx.training_state, ctx.reshard_after_forward, self.recompute, have)
         hit = self._gather_plans.get(key)
         if (
@@ -210,6 +216,7 @@ class GemmState:
         if replay:
             self.awaiting_recompute = False
             return self.amax_sync
+        self.check_gathered_for(recipe)
         self.recipe = recipe
         self.amax_sync = active_amax_sync()
         if recipe is not None and recipe.delayed and self.amax_sync is None and _multi_rank():
@@ -225,6 +232,27 @@ class GemmState:
         self.recompute = checkpointed or no_grad_trainable
         self.awaiting_recompute = checkpointed
         return self.amax_sync
+
+    def check_gathered_for(self, recipe: Recipe | None) -> None:
+        """Refuse a forward under ``recipe`` on weights FSDP2 gathered quantized for another one
+        and still holds gathered: it would run the other recipe's weight payloads (or high
+        precision ones) without a word. A fresh gather is made for the forward's own recipe, so
+        only weights kept from an earlier forward can differ."""
+        if self.gathered_for is None:
+            return
+        had = self.gathered_for[0]
+        if had is recipe or had == recipe:
+            return
+        name = self._owner_name() or "a dtq module"
+        was = type(had).__name__ if had is not None else "high precision (no recipe)"
+        now = type(recipe).__name__ if recipe is not None else "high precision (no recipe)"
+        raise RuntimeError(
+            f"dtq: {name} runs a forward under {now}, but FSDP2 still holds its weights gathered for "
+            f"{was} by an earlier forward (fully_shard(..., reshard_after_forward=False) keeps them "
+            "until a backward). Reshard between forward-only passes under different recipes "
+            "(model.reshard() on the fully_shard-ed modules, e.g. after evaluation), or use "
+            "reshard_after_forward=True"
+        )
 
     def __getstate__(self) -> dict:
         # an AmaxSync holds a process group: neither pickled nor deep-copied (rebuilt next step);
@@ -315,6 +343,12 @@ class GemmHandle(OpaqueBase):
         if module is None:
             raise RuntimeError("dtq: a compiled graph called a dtq module that no longer exists")
         return module._slots(recipe, gemm)
+
+    def check_gathered_for(self, recipe: Recipe | None) -> None:
+        """:meth:`GemmState.check_gathered_for` of the module (a compiled call runs it)."""
+        module = self._module()
+        if module is not None:
+            module.gemm_state.check_gathered_for(recipe)
 
     def weight(self, gemm: int) -> torch.Tensor | None:
         """The module's weight parameter of GEMM ``gemm`` as it is now (None once the module is gone)."""

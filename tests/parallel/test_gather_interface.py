@@ -120,3 +120,46 @@ def _recipe_switches(rank, world):
 
 def test_gathers_follow_a_recipe_switched_between_steps():
     spawn(_recipe_switches, 2, backend="gloo")
+
+
+def _kept_gathers(rank, world, compiled):
+    mesh = init_device_mesh("cpu", (world,))
+
+    def model():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(dtq.nn.Linear(64, 64, bias=False), dtq.nn.Linear(64, 64, bias=False))
+        for i, layer in enumerate(m):
+            if compiled:
+                m[i] = layer = torch.compile(layer, backend="aot_eager")
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+        fully_shard(m, mesh=mesh)
+        return m
+
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    fp8 = dtq.Float8CurrentScaling()
+    with dtq.autocast(fp8):
+        fresh = model()(x)
+    for first, then in ((None, fp8), (fp8, None)):
+        for reshard in (False, True):
+            m = model()
+            with torch.no_grad(), dtq.autocast(first, enabled=first is not None):
+                m(x)  # (an evaluation pass: FSDP2 keeps the weights gathered until a backward)
+            if reshard:  # what the message says works
+                for layer in m:
+                    layer.reshard()
+                with dtq.autocast(then, enabled=then is not None):
+                    y = m(x)
+                if then is fp8:
+                    assert torch.equal(y, fresh)
+                continue
+            # the next forward under another recipe would run the kept weights' format: refused
+            with pytest.raises(RuntimeError, match=r"still holds its weights gathered for .*model\.reshard\(\)"):
+                with dtq.autocast(then, enabled=then is not None):
+                    m(x)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_forward_under_another_recipe_than_kept_gathered_weights_is_refused(compiled):
+    """Before this check, FSDP2's reshard_after_forward=False let a forward under FP8 run on the
+    high-precision weights an evaluation pass without a recipe had gathered (and the reverse)."""
+    spawn(_kept_gathers, 2, compiled, backend="gloo")
