@@ -24,6 +24,19 @@ def rotary_table(seq: int, head_dim: int, theta: float, device) -> tuple[torch.T
     return angles.cos(), angles.sin()
 
 
+class RotaryTable:
+    """:func:`rotary_table`'s ``(cos, sin)``, as the decoder hands them to its blocks: a plain
+    object, which FSDP2's mixed precision leaves alone (it casts the floating tensors of a
+    module's tuple, list and dict arguments to ``param_dtype``: the fp32 table would be rounded
+    to BF16), and one object per sequence length and device, kept by the decoder (compiled
+    blocks then see the same input every step)."""
+
+    __slots__ = ("table",)
+
+    def __init__(self, table: tuple[torch.Tensor, torch.Tensor]):
+        self.table = table
+
+
 def rotary(x: torch.Tensor, theta: float, table: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Rotary position embedding of ``x: [batch, heads, seq, head_dim]`` (pairs ``(i, i + d/2)``
     rotated by ``pos * theta^(-2i/d)``, as in Llama), computed in fp32. ``table``: ``rotary_table``'s
@@ -48,11 +61,12 @@ class Attention(torch.nn.Module):
         )
         self.proj = dtq.nn.Linear(cfg.hidden, cfg.hidden, bias=False, name=f"{name}.proj")
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RotaryTable | None = None) -> torch.Tensor:
         qkv = self.qkv(x)  # [seq, batch, 3 * local hidden]: the whole sequence, under SP too
         t, b, n = qkv.shape
         q, k, v = qkv.view(t, b, n // (3 * self.head_dim), 3, self.head_dim).permute(3, 1, 2, 0, 4)
-        q, k = rotary(q, self.theta, rope), rotary(k, self.theta, rope)
+        table = rope.table if rope is not None else None
+        q, k = rotary(q, self.theta, table), rotary(k, self.theta, table)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [batch, heads, seq, head_dim]
         return self.proj(out.permute(2, 0, 1, 3).reshape(t, b, -1))
 
@@ -76,8 +90,8 @@ class Block(torch.nn.Module):
             swiglu_interleave=SWIGLU_INTERLEAVE if cfg.ffn_hidden % SWIGLU_INTERLEAVE == 0 else None,
         )
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """``rope``: the decoder's ``rotary_table`` for the whole sequence (made here when None)."""
+    def forward(self, x: torch.Tensor, rope: RotaryTable | None = None) -> torch.Tensor:
+        """``rope``: the decoder's rotary table for the whole sequence (made here when None)."""
         x = x + self.attn(x, rope)
         return x + self.mlp(x)
 
@@ -105,14 +119,22 @@ class Decoder(torch.nn.Module):
         self.recompute = False
         self.sp_group = None
         self.head_dim, self.theta = cfg.hidden // cfg.heads, cfg.rope_theta
+        self._rope: dict = {}  # (sequence length, device) -> RotaryTable
 
     @property
     def blocks(self) -> list[torch.nn.Module]:
         return list(self.layers)
 
+    def rotary(self, seq: int, device: torch.device) -> RotaryTable:
+        """The rotary table of ``seq`` positions on ``device``, made once (not in every block)."""
+        key = (seq, device)
+        if key not in self._rope:
+            self._rope[key] = RotaryTable(rotary_table(seq, self.head_dim, self.theta, device))
+        return self._rope[key]
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens).transpose(0, 1)  # sequence-first: the dim sequence parallelism splits
-        rope = rotary_table(tokens.shape[1], self.head_dim, self.theta, tokens.device)  # once per step, not per block
+        rope = self.rotary(tokens.shape[1], tokens.device)
         if self.sp_group is not None:
             x = tp.SplitToSP.apply(x, self.sp_group)
         for layer in self.layers:

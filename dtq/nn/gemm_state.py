@@ -257,7 +257,12 @@ class GemmState:
     def __getstate__(self) -> dict:
         # an AmaxSync holds a process group: neither pickled nor deep-copied (rebuilt next step);
         # the owner is set again by the module (QuantizedModule.__setstate__)
-        return {**self.__dict__, "amax_sync": None, "owner": None, "_gather_plans": {}}
+        # (and what FSDP2 holds gathered belongs to this process)
+        return {**self.__dict__, "amax_sync": None, "owner": None, "_gather_plans": {}, "gathered_for": None}
+
+    def __setstate__(self, state: dict) -> None:
+        # (a state pickled before a field existed gets its default)
+        self.__dict__.update({"_gather_plans": {}, "gathered_for": None, **state})
 
     def __deepcopy__(self, memo) -> GemmState:
         return GemmState(

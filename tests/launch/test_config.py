@@ -446,3 +446,33 @@ def test_backward_runs_on_the_thread_the_config_names(thread):
     assert seen == [thread == "autograd"]
     assert torch._C._is_multithreading_enabled()  # the setting is the step's only
     assert torch.equal(x.grad, torch.full((3,), 2.0))
+
+
+def _rotary_table_under_mixed_precision(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from dtq.launch.model import build_model
+
+    cfg = config.load(TINY, [])
+    tokens = torch.randint(0, cfg.model.vocab, (2, 32), generator=torch.Generator().manual_seed(0))
+    mesh = init_device_mesh("cpu", (world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    outs = []
+    for own_table in (False, True):
+        torch.manual_seed(0)
+        model = build_model(cfg.model)
+        if own_table:  # each block computes the angles itself, as before the decoder's table
+            model.rotary = lambda seq, device: None
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp)  # (casts floating tensors in its arguments)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        outs.append(model(tokens))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_the_decoders_rotary_table_reaches_its_blocks_in_fp32_under_fsdp2_mixed_precision():
+    """The decoder makes the table once per sequence length and hands it to every block; FSDP2's
+    BF16 mixed precision would round a table passed as a tuple of tensors (it casts a block's
+    floating tensor arguments), which changed q and k against the blocks' own fp32 angles."""
+    spawn(_rotary_table_under_mixed_precision, 1, backend="gloo")

@@ -163,3 +163,19 @@ def test_a_forward_under_another_recipe_than_kept_gathered_weights_is_refused(co
     """Before this check, FSDP2's reshard_after_forward=False let a forward under FP8 run on the
     high-precision weights an evaluation pass without a recipe had gathered (and the reverse)."""
     spawn(_kept_gathers, 2, compiled, backend="gloo")
+
+
+def test_a_module_state_pickled_before_the_gather_memo_loads():
+    """A pickled module from before GemmState kept gather plans (and the recipe of its kept
+    gathers) unpickles with both at their defaults, not missing (the first gather raised
+    AttributeError), and a pickle never carries this process's gathers."""
+    import pickle
+
+    lin = dtq.nn.Linear(32, 32)
+    lin.gemm_state.gathered_for = (dtq.Float8CurrentScaling(),)
+    old = {k: v for k, v in lin.gemm_state.__getstate__().items() if k not in ("_gather_plans", "gathered_for")}
+    state = type(lin.gemm_state).__new__(type(lin.gemm_state))
+    state.__setstate__(old)
+    assert state._gather_plans == {} and state.gathered_for is None
+    again = pickle.loads(pickle.dumps(lin)).gemm_state
+    assert again.gathered_for is None and again._gather_plans == {}
