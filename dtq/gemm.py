@@ -213,6 +213,9 @@ class GemmPath:
     # (partial sums kept in the tensor core's reduced precision, never promoted to fp32 on the
     # way); paths without it accumulate as they always do
     fast_accum: bool = False
+    # whether ``run_payloads`` is torch's own ops alone, given payloads whose transposed reads
+    # come as ``data_t``: a compiled graph may then call it itself (``dtq.nn._fused_input``)
+    traceable: bool = False
 
 
 def _shared_rotation(a: Operand, b: Operand) -> bool:
@@ -464,7 +467,12 @@ def _fp8_blockwise(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tens
 
 PATHS: list[GemmPath] = [
     GemmPath(
-        "fp8_tensorwise_scaled_mm", _fp8_tensorwise_ok, _fp8_tensorwise, _fp8_tensorwise_payloads, fast_accum=True
+        "fp8_tensorwise_scaled_mm",
+        _fp8_tensorwise_ok,
+        _fp8_tensorwise,
+        _fp8_tensorwise_payloads,
+        fast_accum=True,
+        traceable=True,
     ),
     GemmPath("fp8_blockwise_scaled_mm", _fp8_blockwise_ok, _fp8_blockwise),
     GemmPath("fp8_rowwise_scaled_mm", _fp8_rowwise_ok, _fp8_rowwise, fast_accum=True),

@@ -8,6 +8,16 @@ stored precision (a bitcast round trip: inductor would otherwise feed its unroun
 intermediate into the cast). A codec without that form, a symbolic shape or a GPU older than
 sm_89 keeps the op (the decomposition returns ``NotImplemented``); backends other than inductor
 keep it too.
+
+The GEMMs of a planned call on a high-precision weight likewise (``dtq::linear``'s forward and
+``dtq::linear_backward``), where every GEMM path is torch's own ops on the payloads
+(``LinearPlan.traceable``: FP8 per-tensor's ``torch._scaled_mm`` on Hopper): the graph calls the
+scaled GEMMs itself, and one small op per forward call, ``dtq::planned_weight``, keeps what must
+run in Python (``GemmState.begin``'s bookkeeping, which FSDP2's gathers and a recompute read) and
+quantizes the weight with dtq's one-pass kernel, as eager does. That takes the two Python op
+bodies per GEMM (and their dispatch) out of the step. A bias gradient keeps the backward op
+(inductor's reduction would sum in another order than eager's); a quantized weight keeps both
+(FSDP2's backward gather refills it, which only the op reads).
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from dtq import _bits
+from dtq._library import forward_op
 from dtq.nn import _ops
 
 _registered = False
@@ -28,7 +39,7 @@ def register() -> bool:
     if not _registered:
         from torch._inductor import lowering
 
-        for op, fn in ((_ops.quantize_input, _quantize_input), (_ops.quantize_grad, _quantize_grad)):
+        for op, fn in _decompositions():
             if op not in lowering.lowerings:
                 # the lowering of the calls a decomposition declines: the one inductor would give
                 # a custom op (its own refuses an op that also has a decomposition)
@@ -47,7 +58,7 @@ def set_decomposed(on: bool) -> None:
     earlier compile of anything would leave dtq's ops undecomposed for the process's life."""
     from torch._inductor import decomposition
 
-    for op, fn in ((_ops.quantize_input, _quantize_input), (_ops.quantize_grad, _quantize_grad)):
+    for op, fn in _decompositions():
         if on:
             decomposition.decompositions[op] = fn
         else:
@@ -55,6 +66,55 @@ def set_decomposed(on: bool) -> None:
     cached = getattr(decomposition, "fast_random_decomps", None)
     if hasattr(cached, "cache_clear"):
         cached.cache_clear()
+
+
+def _decompositions() -> tuple:
+    return (
+        (_ops.quantize_input, _quantize_input),
+        (_ops.quantize_grad, _quantize_grad),
+        (forward_op(_ops.linear), _linear),
+        (_ops.linear_backward, _linear_backward),
+    )
+
+
+def _linear(x, weight, w_fields, wkey, bias, x_amax, x_payloads, *rest):
+    """A planned call on a high-precision weight whose GEMMs are torch's scaled GEMMs
+    (``LinearPlan.traceable``): ``dtq::planned_weight`` (the call's bookkeeping and the weight's
+    quantization) and the forward GEMM in the graph, so that no Python runs around the GEMM.
+    (The arguments are ``dtq::linear``'s.)"""
+    handle, key, need_dgrad, need_wgrad, no_grad_trainable, recompute_only, planned = rest
+    if not (planned and not wkey and x_payloads and x.dim() >= 2 and _static(x)):
+        return NotImplemented
+    if (need_dgrad or need_wgrad) and not _ops.quantizes_grad_apart(key):
+        return NotImplemented  # (backward's op quantizes dy itself: keep the pair as it is)
+    with _untraced():
+        plan = _ops._template_plan(
+            key, need_dgrad, need_wgrad, x.shape, x.dtype, x.device, weight.shape[0], weight.dtype
+        )
+        if not plan.traceable(bias is not None):
+            return NotImplemented
+    args = (handle, key, need_dgrad, need_wgrad, no_grad_trainable, recompute_only)
+    w_payloads = _ops.planned_weight(weight, list(x.shape), x.dtype, *args)
+    y, saved = plan.forward(x, weight, bias, None, share=False, x_payloads=x_payloads, w_payloads=w_payloads)
+    return [y, *saved]
+
+
+def _linear_backward(dy, saved, weight, w_fields, wkey, handle, key, need_dgrad, need_wgrad, need_bgrad, *rest):
+    """The backward of a planned call decomposed by :func:`_linear`: its dgrad and wgrad scaled
+    GEMMs in the graph. Not with a bias gradient (inductor's own reduction would sum in another
+    order than eager's) nor where dy is not quantized in the graph. (The arguments are
+    ``dtq::linear_backward``'s.)"""
+    x_shape, x_dtype, _, planned, dy_amax, dy_payloads = rest
+    if not (planned and not wkey and not need_bgrad and _static(dy) and all(isinstance(s, int) for s in x_shape)):
+        return NotImplemented
+    if not dy_payloads or not (need_dgrad or need_wgrad):
+        return NotImplemented
+    with _untraced():
+        plan = _ops._template_plan(key, need_dgrad, need_wgrad, x_shape, x_dtype, dy.device, dy.shape[-1], weight.dtype)
+        if not plan.traceable(False):
+            return NotImplemented
+    grads = plan.backward(dy, tuple(saved), None, None, weight.dtype, False, dy_amax, dy_payloads)
+    return [g.contiguous() for g in grads if g is not None]
 
 
 def _quantize_input(x, x_amax, key, need_dgrad, need_wgrad, out_features, w_dtype):

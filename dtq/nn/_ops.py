@@ -198,6 +198,30 @@ def _plan(call: GemmCall, x: torch.Tensor, weight) -> LinearPlan | None:
     return shape_plan(call, x.shape, x.dtype, x.device, weight) if x.dim() >= 2 else None
 
 
+def _begin(
+    handle: GemmHandle, key: int, no_grad_trainable: bool, recompute_only: bool, planned: bool
+) -> tuple[GemmSlots, bool, object]:
+    """The bookkeeping of a compiled forward call at run time (``GemmState.begin``: the recipe
+    and recompute flags FSDP2's gathers and checkpoint's recompute read): ``(slots, whether the
+    call is a recompute, its amax reduction)``."""
+    slots = _module_slots(handle, key)
+    replay = in_backward()
+    if recompute_only and not replay:
+        raise RuntimeError(
+            f"dtq: {slots.name}: a compiled forward ran outside dtq.autocast after a forward whose "
+            "recompute has not run yet (a no_grad or checkpointed forward under a recipe); a "
+            "compiled module cannot tell this call from that recompute. Run that backward first, "
+            "or run this forward eagerly (torch.compiler.set_stance('force_eager'))"
+        )
+    sync = slots.state.begin(slots.recipe, replay, no_grad_trainable)
+    if planned and sync is not None:
+        raise RuntimeError(
+            f"dtq: {slots.name}: a compiled graph traced without an amax reduction runs inside "
+            "dtq.autocast(amax_group=...); compile the step inside that region"
+        )
+    return slots, replay, sync
+
+
 def _forward(
     x,
     weight,
@@ -221,22 +245,8 @@ def _forward(
             return [y, *saved]
         y, sx, sw = lf.linear_forward(call, x, weight, bias, x_amax, quantize=lf.fake_quantize, gemm=lf.fake_mm)
     else:
-        slots = _module_slots(handle, key)
-        replay = in_backward()
-        if recompute_only and not replay:
-            raise RuntimeError(
-                f"dtq: {slots.name}: a compiled forward ran outside dtq.autocast after a forward whose "
-                "recompute has not run yet (a no_grad or checkpointed forward under a recipe); a "
-                "compiled module cannot tell this call from that recompute. Run that backward first, "
-                "or run this forward eagerly (torch.compiler.set_stance('force_eager'))"
-            )
-        sync = slots.state.begin(slots.recipe, replay, no_grad_trainable)
+        slots, replay, sync = _begin(handle, key, no_grad_trainable, recompute_only, planned)
         if planned:
-            if sync is not None:
-                raise RuntimeError(
-                    f"dtq: {slots.name}: a compiled graph traced without an amax reduction runs inside "
-                    "dtq.autocast(amax_group=...); compile the step inside that region"
-                )
             plan = _plan(slots.call(need_dgrad, need_wgrad), x, weight)
             if plan is not None:  # (None: a shape no plan takes; the general path raises its message)
                 y, saved = plan.forward(x, weight, bias, x_amax, share=False, x_payloads=x_payloads or None)
@@ -494,6 +504,34 @@ def quantizes_input_apart(key: int) -> bool:
     return not any(q.codec(d).uses_rng() for d in (ROWWISE, COLUMNWISE))
 
 
+def _planned_weight_impl(
+    weight: torch.Tensor,
+    x_shape: list[int],
+    x_dtype: torch.dtype,
+    handle: GemmHandle,
+    key: int,
+    need_dgrad: bool,
+    need_wgrad: bool,
+    no_grad_trainable: bool,
+    recompute_only: bool,
+) -> list[torch.Tensor]:
+    """The run-time part of a planned compiled call whose GEMMs the graph runs itself
+    (``dtq.nn._fused_input``'s decomposition of ``dtq::linear``): the call's bookkeeping
+    (:func:`_begin`, which a graph must not skip) and its high-precision weight quantized with
+    dtq's kernel as eager quantizes it (``LinearPlan.w_layout``'s distinct tensors)."""
+    _begin(handle, key, no_grad_trainable, recompute_only, True)
+    plan = _weight_plan(weight, x_shape, x_dtype, key, need_dgrad, need_wgrad)
+    return _unaliased(plan.quantize_weight(weight), (weight,))
+
+
+def _planned_weight_fake(weight, x_shape, x_dtype, handle, key, need_dgrad, need_wgrad, *_):
+    return _weight_plan(weight, x_shape, x_dtype, key, need_dgrad, need_wgrad).empty_weight(weight.device)
+
+
+def _weight_plan(weight, x_shape, x_dtype, key, need_dgrad, need_wgrad) -> LinearPlan:
+    return _template_plan(key, need_dgrad, need_wgrad, x_shape, x_dtype, weight.device, weight.shape[0], weight.dtype)
+
+
 def _dequantize_weight_impl(
     weight: torch.Tensor, w_fields: list[torch.Tensor], wkey: int, dtype: torch.dtype, handle: GemmHandle, gemm: int
 ) -> torch.Tensor:
@@ -522,6 +560,7 @@ linear_backward = define("linear_backward", _linear_backward_impl, _linear_backw
 linear = define("linear", _linear_impl, _linear_fake, backward=_backward, setup_context=_setup_context)
 quantize_input = define("quantize_input", _quantize_input_impl, _quantize_input_fake)
 quantize_grad = define("quantize_grad", _quantize_grad_impl, _quantize_grad_fake)
+planned_weight = define("planned_weight", _planned_weight_impl, _planned_weight_fake)
 dequantize_weight = define(
     "dequantize_weight",
     _dequantize_weight_impl,

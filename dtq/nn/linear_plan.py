@@ -32,7 +32,7 @@ from dtq.codec import (
     wanted_directions,
 )
 from dtq.formats import COLUMNWISE, ROWWISE
-from dtq.gemm import Operand, bind, transposed_reads
+from dtq.gemm import Operand, bind, select, transposed_reads
 from dtq.nn._linear_fn import check_weight_columnwise, once_differentiable_lean
 from dtq.nn.slot import tensor_amax_directions
 from dtq.tensor import QUANTIZED
@@ -49,6 +49,7 @@ class LinearPlan:
 
     __slots__ = (
         "call",
+        "device",
         "qx",
         "qw",
         "qg",
@@ -65,6 +66,7 @@ class LinearPlan:
         "w_fields",
         "x_layout",
         "x_saved",
+        "w_layout",
         "g_layout",
         "x_known",
         "g_known",
@@ -75,7 +77,7 @@ class LinearPlan:
 
     def __init__(self, call: GemmCall, x_shape: torch.Size, x_dtype: torch.dtype, dev: torch.device, wl):
         slots = call.slots
-        self.call = call
+        self.call, self.device = call, dev
         self.x_shape, self.x_dtype, self.w_dtype = x_shape, x_dtype, wl.dtype
         self.x2d, self.w2d = shape_2d(x_shape), (wl.shape[0], wl.shape[-1])
         self.g2d = (self.x2d[0], self.w2d[0])
@@ -106,8 +108,13 @@ class LinearPlan:
         if call.need_wgrad:
             where = {(d, k): i for d, k, i in self.x_layout}
             self.x_saved = tuple(where[COLUMNWISE, k] for k in self.x_fields)
-        if self.qw is not None and call.need_dgrad:
-            self.w_fields = _saved_fields(self.qw.empty(self.w2d, meta, wl.dtype)[COLUMNWISE])
+        # a high-precision weight's payloads likewise (the compiled path's dtq::planned_weight)
+        self.w_layout = ()
+        if self.qw is not None:
+            ew = self.qw.empty(self.w2d, meta, wl.dtype)
+            self.w_layout = _tensor_layout(ew)
+            if call.need_dgrad:
+                self.w_fields = _saved_fields(ew[COLUMNWISE])
         # dy's payloads as distinct tensors, likewise (the compiled path's dtq::quantize_grad)
         self.g_layout = _tensor_layout(self.qg.empty(self.g2d, meta, x_dtype)) if self.qg is not None else ()
         # the directions of x and dy whose amax a producer's max|x| / max|dy| stands for
@@ -139,22 +146,27 @@ class LinearPlan:
         x_amax: torch.Tensor | None,
         share: bool = True,
         x_payloads: list[torch.Tensor] | None = None,
+        w_payloads: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``(y, tensors to save)`` as ``linear_forward`` computes them (``x_amax``: max|x|, if its
         producer computed it). ``share``: take x's payloads from the previous call that quantized
         x the same way (:class:`_LastInput`); a custom op's outputs may not be shared (False).
         ``x_payloads``: x quantized already (:meth:`quantize_input`); the tensors to save are then
-        the weight's only (x's are ``x_payloads[i] for i in x_saved``)."""
+        the weight's only (x's are ``x_payloads[i] for i in x_saved``). ``w_payloads``: the
+        high-precision weight quantized already (:meth:`quantize_weight`)."""
         if x_payloads is not None:
-            px: dict = {}
-            for d, k, i in self.x_layout:
-                px.setdefault(d, {})[k] = x_payloads[i]
+            px = _fields(x_payloads, self.x_layout)
         elif share:
             x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
             px = _input_payloads(self.qx, x, x2, self.x_known, x_amax)
         else:
             px = _run(self.qx, x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), self.x_known, x_amax)
-        pw = {ROWWISE: wl.payload(ROWWISE)} if self.quantized_weight else _run(self.qw, as_2d(wl, self.w_quantizer))
+        if self.quantized_weight:
+            pw = {ROWWISE: wl.payload(ROWWISE)}
+        elif w_payloads is not None:
+            pw = _fields(w_payloads, self.w_layout)
+        else:
+            pw = _run(self.qw, as_2d(wl, self.w_quantizer))
         if self.fprop is None:
             self._bind_forward(px, pw, x, wl, bias)
         y = self.fprop(px[ROWWISE], pw[ROWWISE])
@@ -175,6 +187,46 @@ class LinearPlan:
         AOTAutograd merges)."""
         px = _run(self.qx, x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), self.x_known, x_amax)
         return _distinct(px, self.x_layout)
+
+    def quantize_weight(self, wl: torch.Tensor) -> list[torch.Tensor]:
+        """A high-precision weight's payloads as :meth:`forward` computes them, as the list
+        ``w_layout`` describes (the compiled path's ``dtq::planned_weight``)."""
+        return _distinct(_run(self.qw, as_2d(wl, self.w_quantizer)), self.w_layout)
+
+    def empty_weight(self, device: torch.device) -> list[torch.Tensor]:
+        """What :meth:`quantize_weight` returns, empty."""
+        return _distinct(self.qw.empty(self.w2d, device, self.w_dtype), self.w_layout)
+
+    def traceable(self, bias: bool) -> bool:
+        """Whether this call's GEMMs can run as torch's own ops on the payloads in a compiled graph
+        (``dtq.nn._fused_input``), instead of one dtq op per forward and per backward: every path
+        ``GemmPath.traceable``, and every operand a path reads as [K, M] codes written so
+        (``data_t``) by its quantization. A high-precision weight only (a quantized one is
+        refilled by FSDP2's backward gather, which only the op reads); ``bias``: the forward adds
+        one (fprop's output is then fp32)."""
+        call, dev = self.call, self.device
+        if self.quantized_weight or self.qw is None:
+            return False
+        sx, sg, sw = call.slots.sx.quantizer, call.slots.sg.quantizer, self.w_quantizer
+        x_op = _meta_operand(sx, ROWWISE, self.x2d, self.x_dtype, dev)
+        w_op = _meta_operand(sw, ROWWISE, self.w2d, self.w_dtype, dev, transpose=True)
+        # (A, its layout, B, its layout, output dtype) of fprop, dgrad and wgrad
+        gemms = [(x_op, self.x_layout, w_op, self.w_layout, torch.float32 if bias else self.x_dtype)]
+        if call.need_dgrad:
+            dy = _meta_operand(sg, ROWWISE, self.g2d, self.x_dtype, dev)
+            w_t = _meta_operand(sw, COLUMNWISE, self.w2d, self.w_dtype, dev)
+            gemms.append((dy, self.g_layout, w_t, self.w_layout, self.x_dtype))
+        if call.need_wgrad:
+            dy_t = _meta_operand(sg, COLUMNWISE, self.g2d, self.x_dtype, dev, transpose=True)
+            x_t = _meta_operand(sx, COLUMNWISE, self.x2d, self.x_dtype, dev)
+            gemms.append((dy_t, self.g_layout, x_t, self.x_layout, self.w_dtype))
+        for a, la, b, lb, out in gemms:
+            if not select(a, b, out).traceable:
+                return False
+            for op, layout, reads_t in zip((a, b), (la, lb), transposed_reads(a, b, out)):
+                if reads_t and (op.direction, "data_t") not in {(d, k) for d, k, _ in layout}:
+                    return False  # (the path would transpose the codes with dtq's kernel)
+        return True
 
     def quantize_grad(self, dy: torch.Tensor, dy_amax: torch.Tensor | None) -> list[torch.Tensor]:
         """dy's payloads as :meth:`backward` computes them, as the list ``g_layout`` describes: what
@@ -230,9 +282,7 @@ class LinearPlan:
         dx = dw = None
         if self.qg is not None:
             if dy_payloads:
-                pg: dict = {}
-                for d, k, i in self.g_layout:
-                    pg.setdefault(d, {})[k] = dy_payloads[i]
+                pg = _fields(dy_payloads, self.g_layout)
             else:
                 known = dy_amax
                 if link is not None:  # max|dy| from the next op's kernel
@@ -284,6 +334,15 @@ def _tensor_layout(payloads: dict) -> tuple[tuple[str, str, int], ...]:
     tensor (identical directions, rowwise codes beside transposed ones) share its number."""
     index: dict = {}
     return tuple((d, k, index.setdefault(id(p[k]), len(index))) for d, p in payloads.items() for k in sorted(p))
+
+
+def _fields(tensors: list[torch.Tensor], layout: tuple) -> dict:
+    """The payloads ``{direction: {field: tensor}}`` of distinct tensors listed as ``layout`` says
+    (the inverse of :func:`_distinct`)."""
+    out: dict = {}
+    for d, k, i in layout:
+        out.setdefault(d, {})[k] = tensors[i]
+    return out
 
 
 def _distinct(payloads: dict, layout: tuple) -> list[torch.Tensor]:

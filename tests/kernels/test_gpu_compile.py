@@ -18,8 +18,21 @@ pytestmark = [
         not (torch.cuda.is_available() and kernels.available("cuda")),
         reason="needs a CUDA GPU with dtq's kernels (sm_90+)",
     ),
-    pytest.mark.usefixtures("fresh_dynamo"),
+    pytest.mark.usefixtures("fresh_dynamo", "eager_rounding"),
 ]  # tests/conftest.py
+
+
+@pytest.fixture
+def eager_rounding(monkeypatch):
+    """Inductor rounds every BF16 intermediate as eager does (``emulate_precision_casts``). Where
+    inductor runs a GEMM itself (per-tensor FP8, ``dtq.nn._fused_input``), no op call forces the
+    tensors around it into memory, and inductor then keeps a residual sum or a gradient sum that
+    a later add reads again in fp32 where eager rounds it to BF16: any compiled model's
+    difference, not dtq's (dtq's quantizations read stored values either way)."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "emulate_precision_casts", True)
+
 
 H = 256
 ALL = {**RECIPES, "fp8_high_precision_bwd": lambda: dtq.Float8CurrentScaling(backward_override="high_precision")}
@@ -165,3 +178,39 @@ def test_inductor_fuses_the_fp8_input_quantization_on_cuda():
     assert any("torch.ops.dtq.transposed_codes" in c for c in code)
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), i
+
+
+@pytest.mark.parametrize("wrap", [None, "checkpoint"])
+def test_inductor_runs_the_fp8_gemms_in_the_graph_on_cuda(wrap):
+    """FP8 per-tensor calls on high-precision weights run torch's scaled GEMMs from the compiled
+    graph (``dtq.nn._fused_input``): no ``dtq::linear_fw`` / ``linear_backward`` call, one
+    ``dtq::planned_weight`` per GEMM, and eager's bits, also when a checkpoint around the
+    compiled block recomputes it."""
+    from torch._inductor.utils import run_and_get_code
+
+    r = ALL["fp8"]()
+    ckpt = (lambda m, x: torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False)) if wrap else None
+
+    def step(model, seed):
+        torch.manual_seed(seed)
+        x = _x().requires_grad_()
+        with dtq.autocast(r):
+            y = ckpt(model, x) if ckpt else model(x)
+        y.float().square().sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return [y.detach(), x.grad, *grads]
+
+    eager, compiled = _model(), torch.compile(_model(), fullgraph=True)
+    for s in range(2):
+        want = step(eager, s)
+        got, code = run_and_get_code(step, compiled, s)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), (s, i)
+        if s == 0:
+            text = "".join(code)
+            assert "torch.ops.dtq.linear_fw" not in text and "torch.ops.dtq.linear_backward" not in text
+            # one per GEMM in each forward graph (a checkpoint's recompute may trace a second one)
+            calls = text.count("torch.ops.dtq.planned_weight.default(")
+            assert calls and calls % 4 == 0, calls
+            assert "_scaled_mm" in text
