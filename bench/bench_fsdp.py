@@ -84,6 +84,7 @@ COMPILED_MODES = (
     "torchao float8 compiled",
     "dtq fp8 (hp shards)",
     "dtq fp8 (hp shards) compiled",
+    "dtq fp8 (bf16 gather) compiled",  # (its per-tensor FP8 GEMMs run from the compiled graph)
     "dtq fp8 (quantized params) compiled",
 )
 PRESETS = {"1b": {"layers": 16, "hidden": 2048, "heads": 16, "ffn": 8192, "batch": 4, "seq": 2048}}

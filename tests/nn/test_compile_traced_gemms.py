@@ -106,7 +106,7 @@ def test_inductor_runs_the_gemms_of_planned_calls_in_the_graph():
                 assert ops.count("planned_weight") == 3, ops
                 assert "linear_fw" not in ops, ops
                 assert ops.count("linear_backward") == (1 if up_bias else 0), ops
-        assert all(m.gemm_state.recipe is r for m in (model.qkv, model.up, model.down))
+        assert all(m.gemm_state.recipe == r for m in (model.qkv, model.up, model.down))
 
 
 def _checkpoint(m, x):
