@@ -11,7 +11,7 @@ keep it too.
 
 The GEMMs of a planned call on a high-precision weight likewise (``dtq::linear``'s forward and
 ``dtq::linear_backward``), where every GEMM path is torch's own ops on the payloads
-(``LinearPlan.traceable``: FP8 per-tensor's ``torch._scaled_mm`` on Hopper): the graph calls the
+(``LinearPlan.traceable``: FP8 per-tensor's ``torch._scaled_mm``, sm_89 and later): the graph calls the
 scaled GEMMs itself, and one small op per forward call, ``dtq::planned_weight``, keeps what must
 run in Python (``GemmState.begin``'s bookkeeping, which FSDP2's gathers and a recompute read) and
 quantizes the weight with dtq's one-pass kernel, as eager does. That takes the two Python op

@@ -71,6 +71,7 @@ class LinearPlan:
         "x_known",
         "g_known",
         "fprop",
+        "fprop_bias",
         "dgrad",
         "wgrad",
     )
@@ -119,7 +120,10 @@ class LinearPlan:
         self.g_layout = _tensor_layout(self.qg.empty(self.g2d, meta, x_dtype)) if self.qg is not None else ()
         # the directions of x and dy whose amax a producer's max|x| / max|dy| stands for
         self.x_known, self.g_known = _tensor_amax_dirs(self.qx, self.x2d), _tensor_amax_dirs(self.qg, self.g2d)
-        self.fprop = self.dgrad = self.wgrad = None
+        # fprop's GEMM bound on first use, one per output dtype: with a bias it writes fp32 (the
+        # bias is added before the one rounding); plans of a slots template serve modules with
+        # and without one (a compiled graph's)
+        self.fprop = self.fprop_bias = self.dgrad = self.wgrad = None
 
     def _transposed_columnwise(self, dev: torch.device) -> tuple[bool, bool, bool]:
         """Whether x's, the weight's and dy's columnwise codes should also be written transposed by
@@ -167,9 +171,10 @@ class LinearPlan:
             pw = _fields(w_payloads, self.w_layout)
         else:
             pw = _run(self.qw, as_2d(wl, self.w_quantizer))
-        if self.fprop is None:
-            self._bind_forward(px, pw, x, wl, bias)
-        y = self.fprop(px[ROWWISE], pw[ROWWISE])
+        fprop = self.fprop if bias is None else self.fprop_bias
+        if fprop is None:
+            fprop = self._bind_forward(px, pw, x, wl, bias)
+        y = fprop(px[ROWWISE], pw[ROWWISE])
         if bias is not None:
             y = y + bias.to(torch.float32)
         if y.dtype != x.dtype:
@@ -255,13 +260,18 @@ class LinearPlan:
             saved += [pw[k] for k in self.w_fields]
         return torch.empty(self.out_shape, dtype=self.x_dtype, device=dev), saved
 
-    def _bind_forward(self, px: dict, pw: dict, x: torch.Tensor, wl: torch.Tensor, bias) -> None:
-        self.fprop = bind(
+    def _bind_forward(self, px: dict, pw: dict, x: torch.Tensor, wl: torch.Tensor, bias):
+        fprop = bind(
             _operand(self.qx.q, px, ROWWISE, self.x2d, x.dtype, x.device),
             _operand(self.w_quantizer, pw, ROWWISE, self.w2d, wl.dtype, x.device, transpose=True),
             torch.float32 if bias is not None else x.dtype,
             fast_accum=self.call.slots.recipe.fprop_fast_accumulation,
         )
+        if bias is None:
+            self.fprop = fprop
+        else:
+            self.fprop_bias = fprop
+        return fprop
 
     def backward(
         self,

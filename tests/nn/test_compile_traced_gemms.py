@@ -109,6 +109,35 @@ def test_inductor_runs_the_gemms_of_planned_calls_in_the_graph():
         assert all(m.gemm_state.recipe == r for m in (model.qkv, model.up, model.down))
 
 
+class _TwoOfOneShape(torch.nn.Module):
+    """Two GEMMs of one shape and template, one with a bias: they share one plan."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(H, H, bias=False)
+        self.b = torch.nn.Linear(H, H, bias=True)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.usefixtures("traced_emulation")
+def test_gemms_of_one_shape_with_and_without_a_bias_keep_their_own_output_dtype():
+    """In BF16 a GEMM with a bias writes fp32 (the bias added before the one rounding), one
+    without writes BF16; sharing the slots template's plan, the one traced second ran the
+    first one's GEMM (the biased output rounded twice)."""
+    r = dtq.Float8CurrentScaling()
+
+    def make():
+        torch.manual_seed(0)
+        return dtq.convert(_TwoOfOneShape().to(torch.bfloat16))
+
+    eager, compiled = make(), torch.compile(make(), fullgraph=True)
+    x = _x().to(torch.bfloat16)
+    got, want = _step(compiled, x, r, 5), _step(eager, x, r, 5)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def _checkpoint(m, x):
     return torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False)
 
@@ -128,23 +157,31 @@ def test_recompute_and_offload_around_blocks_with_traced_gemms(wrap):
     """Checkpoint (both kinds) and save_on_cpu around the compiled block: the eager bits. The
     recompute runs outside dtq.autocast and takes the forward's recipe from the bookkeeping
     ``planned_weight`` did (without it the recompute would run in high precision)."""
+    from torch._inductor.utils import run_and_get_code
+
     r = dtq.Float8CurrentScaling()
     eager, model = _model(), _model()
     compiled = torch.compile(model, fullgraph=True)
     for step in range(2):
         want = _step(eager, _x(), r, 20 + step, wrap)
-        got = _step(compiled, _x(), r, 20 + step, wrap)
+        got, code = run_and_get_code(_step, compiled, _x(), r, 20 + step, wrap)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), step
+        if step == 0:  # (the recompute's own trace included)
+            ops = _dtq_ops(code)
+            assert "planned_weight" in ops and "linear_fw" not in ops and "linear_backward" not in ops, ops
 
 
 @pytest.mark.usefixtures("traced_emulation")
 def test_a_forward_outside_autocast_with_a_recompute_pending_is_refused_by_planned_weight():
     """The refusal of the op-based path holds where ``planned_weight`` does the bookkeeping."""
+    from torch._inductor.utils import run_and_get_code
+
     r = dtq.Float8CurrentScaling()
     compiled = torch.compile(_model(), fullgraph=True)
     x = _x().requires_grad_()
     with dtq.autocast(r):
-        _checkpoint(compiled, x)
+        _, code = run_and_get_code(_checkpoint, compiled, x)
+    assert "planned_weight" in _dtq_ops(code) and "linear_fw" not in _dtq_ops(code)
     with pytest.raises(RuntimeError, match="recompute has not run yet"):
         compiled(x)
 
