@@ -158,16 +158,17 @@ class ParallelConfig:
     for every block (the root never reshards); "auto" is false when FSDP2 shards over one rank
     (one GPU, or HSDP with one rank per replica), where resharding frees only a copy of the
     weights and backward would gather (and quantize) them again, and true otherwise.
-    ``quantized_gather``: FSDP2 gathers high-precision weights quantized (the recipe's weight
+    ``quantized_gather``: true, FSDP2 gathers high-precision weights quantized (the recipe's weight
     format, half the bytes or less); false gathers them in ``train.dtype`` and each GEMM quantizes
     its gathered weight (``dtq.parallel.gather_high_precision``), the faster step where the
-    network is fast (docs/benchmarks.md, FSDP2)."""
+    network is fast (docs/benchmarks.md, FSDP2); "auto", quantized only where a weight's shards
+    span several hosts (``dtq.launch.parallel.quantized_gather``)."""
 
     tp: Count = 1
     replicate: Count = 1
     sequence_parallel: bool = False
     reshard_after_forward: bool | Literal["auto"] = "auto"
-    quantized_gather: bool = True
+    quantized_gather: bool | Literal["auto"] = "auto"
 
     def __post_init__(self):
         if self.sequence_parallel and self.tp == 1:
@@ -182,7 +183,7 @@ class Config:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
 
     def __post_init__(self):
-        if self.train.quantized_params and not self.parallel.quantized_gather:
+        if self.train.quantized_params and self.parallel.quantized_gather is False:
             raise ValueError(
                 "config: parallel.quantized_gather = false needs train.quantized_params = false "
                 "(quantized parameters are gathered in their format)"

@@ -5,9 +5,11 @@ consecutive, then the FSDP2 shards of one HSDP replica."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
@@ -90,17 +92,39 @@ def reshard_after_forward(setting: bool | str, shard_ranks: int) -> bool:
     return shard_ranks > 1 if setting == "auto" else bool(setting)
 
 
-def parallelize(model: torch.nn.Module, mesh: DeviceMesh, cfg: Config, recipe=None) -> torch.nn.Module:
+def quantized_gather(setting: bool | str, dp_mesh: DeviceMesh, quantized_params: bool) -> bool:
+    """Whether FSDP2 gathers high-precision weights quantized (``parallel.quantized_gather``).
+    "auto": only where one weight's shards lie on more than one host. Between GPUs of one host
+    (and on one GPU) the plain gather has been the faster FP8 step in every run so far, and it lets
+    per-tensor FP8's compiled GEMMs run from the graph (docs/benchmarks.md, FSDP2); across hosts
+    the quantized gather's halved bytes are what it is for. Quantized parameters are gathered as
+    stored. Collective over the FSDP2 shard group (every rank must call it)."""
+    if quantized_params:
+        return True
+    if setting != "auto":
+        return bool(setting)
+    group = dp_mesh["dp"]
+    if group.size() == 1:
+        return False
+    hosts: list[str | None] = [None] * group.size()
+    dist.all_gather_object(hosts, socket.gethostname(), group=group.get_group())
+    return len(set(hosts)) > 1
+
+
+def parallelize(
+    model: torch.nn.Module, mesh: DeviceMesh, cfg: Config, recipe=None, gather_quantized: bool = True
+) -> torch.nn.Module:
     """TP styles (when ``tp > 1``), then quantized parameters (``train.quantized_params``: after the
     styles, so every TP shard is the slice of the whole weight's quantization) or plain ones
-    (``parallel.quantized_gather = false``), then FSDP2 per block and on the root. Parameters are
+    (``gather_quantized`` false: :func:`quantized_gather`'s decision), then FSDP2 per block and on
+    the root. Parameters are
     kept in their dtype; ``train.dtype = "bfloat16"`` makes FSDP2 gather and compute in BF16 with
     FP32 gradient reduction."""
     if cfg.parallel.tp > 1:
         apply_tensor_parallel(model, mesh, cfg)
     if cfg.train.quantized_params:
         dtq.convert(model, recipe=recipe, quantized_params=True, module_filter_fn=lambda m, fqn: False)
-    elif not cfg.parallel.quantized_gather:
+    elif not gather_quantized:
         dtq.parallel.gather_high_precision(model)
     if cfg.train.compile:
         for block in model.blocks:  # in place: parameter names and FSDP2's per-block units stay as they are

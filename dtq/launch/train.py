@@ -262,7 +262,10 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto", 
         parallel.tp_weight_dims(model) if cfg.parallel.tp > 1 and cfg.model.kind == "dtq" else None,
     )
     mesh = parallel.make_mesh(device, world, cfg.parallel.tp, cfg.parallel.replicate)
-    model = parallel.parallelize(model, mesh, cfg, recipe)
+    gather_quantized = parallel.quantized_gather(
+        cfg.parallel.quantized_gather, parallel.data_parallel_mesh(mesh), tc.quantized_params
+    )
+    model = parallel.parallelize(model, mesh, cfg, recipe, gather_quantized)
     model.recompute = tc.recompute
     opt = optim.build_optimizer(model, tc)
 
@@ -283,6 +286,7 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto", 
             "kind": "config",
             "config": cfg.to_dict(),
             "world_size": world,
+            "quantized_gather": gather_quantized,  # parallel.quantized_gather as decided on this mesh
             "launcher": denv.launcher,
             "device": str(device),
             "recipe": repr(recipe),
@@ -325,10 +329,11 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto", 
     if step >= tc.steps:
         console.print(f"already at step {step} of {tc.steps}; raise train.steps to continue")
 
-    if recipe is not None and not tc.quantized_params and not cfg.parallel.quantized_gather:
-        console.print("parallel.quantized_gather = false: weights gathered in high precision, quantized by their GEMMs")
+    if recipe is not None and not gather_quantized:
+        why = " (auto: FSDP2's shards on one host)" if cfg.parallel.quantized_gather == "auto" else " = false"
+        console.print(f"parallel.quantized_gather{why}: weights gathered in high precision, quantized by their GEMMs")
     # high-precision weights that FSDP2 gathers quantized: their amaxes reduced once per step
-    reduce_amaxes = recipe is not None and not tc.quantized_params and cfg.parallel.quantized_gather
+    reduce_amaxes = recipe is not None and not tc.quantized_params and gather_quantized
     if reduce_amaxes:
         dtq.parallel.precompute_amax(model, recipe)  # the first step's gathers too
     collectives = metrics.CollectiveBytes()

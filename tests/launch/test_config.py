@@ -234,6 +234,30 @@ def test_quantized_gather_off_refuses_quantized_params():
         config.load(TINY, ["parallel.quantized_gather=false", "train.quantized_params=true"])
 
 
+def _quantized_gather_decisions(rank, world, hosts):
+    import socket
+
+    socket.gethostname = lambda: hosts[rank]  # this rank's host, as the collective reports it
+    flat = parallel.data_parallel_mesh(parallel.make_mesh(torch.device("cpu"), world, tp=1))
+    hsdp = parallel.data_parallel_mesh(parallel.make_mesh(torch.device("cpu"), world, tp=1, replicate=2))
+    spans = len(set(hosts)) > 1
+    assert parallel.quantized_gather("auto", flat, quantized_params=False) is spans
+    # HSDP with one rank per replica: each weight's shards lie on one rank, whatever the hosts
+    assert parallel.quantized_gather("auto", hsdp, quantized_params=False) is False
+    for setting in (True, False):
+        assert parallel.quantized_gather(setting, flat, quantized_params=False) is setting
+    assert parallel.quantized_gather("auto", flat, quantized_params=True) is True  # gathered as stored
+
+
+@pytest.mark.parametrize("hosts", [("node-a", "node-a"), ("node-a", "node-b")], ids=["one_host", "two_hosts"])
+def test_quantized_gather_auto_quantizes_only_gathers_across_hosts(hosts):
+    """``parallel.quantized_gather = "auto"`` (the default) asks the FSDP2 shard group for its
+    hosts over a real gloo collective: plain gathers within one host, quantized across hosts."""
+    assert config.load(None).parallel.quantized_gather == "auto"
+    assert config.load(TINY, ["parallel.quantized_gather=auto", "train.quantized_params=true"]).train.quantized_params
+    spawn(_quantized_gather_decisions, 2, hosts, backend="gloo")
+
+
 def test_quantized_params_optimizer_groups_and_lr_after_resume():
     """build_optimizer gives MasterWeightOptimizer's masters two AdamW groups (no decay on norms
     and embeddings), and set_lr still reaches the inner optimizer after load_state_dict (which

@@ -82,11 +82,14 @@ def test_high_precision_gather_trains_like_quantized_gather(tiny_run, tmp_path):
     """``parallel.quantized_gather = false``: FSDP2 gathers the FP32 weights and each GEMM quantizes
     the whole weight, which is what a quantized gather delivers (the quantization of the whole
     weight), so every loss equals the tiny run's bit for bit; only the gathered bytes differ. Under
-    TP 2 with sequence parallelism too (the weights are then DTensors of the TP shards)."""
-    stdout = _torchrun(*TINY, "--set", "parallel.quantized_gather=false", "--out-dir", str(tmp_path / "fsdp"))
-    assert "weights gathered in high precision, quantized by their GEMMs" in stdout
+    TP 2 with sequence parallelism too (the weights are then DTensors of the TP shards). "auto"
+    chooses plain gathers here: both ranks are on one host."""
+    stdout = _torchrun(*TINY, "--set", "parallel.quantized_gather=auto", "--out-dir", str(tmp_path / "fsdp"))
+    assert "auto: FSDP2's shards on one host): weights gathered in high precision, quantized by their GEMMs" in stdout
     assert "(unquantized weights) | reduce-scattered" in stdout
     plain, quantized = _records(tmp_path / "fsdp"), _records(tiny_run[0])
+    decided = [r["quantized_gather"] for r in (_records(d, "config")[0] for d in (tmp_path / "fsdp", tiny_run[0]))]
+    assert decided == [False, True]
     assert [r["loss"] for r in plain] == [r["loss"] for r in quantized]
     for a, b in zip(plain, quantized):
         assert a["gathered_bytes"] == {}, a["gathered_bytes"]  # no dtq gathers: FSDP2's own, in fp32
