@@ -261,9 +261,12 @@ def test_mpirun_runs_the_tiny_config_like_torchrun(tiny_run, tmp_path):
 
 
 # The transformers path: LlamaForCausalLM (2 layers, hidden 128, FFN 256, 4 heads) from a random
-# LlamaConfig, converted with dtq.convert, FSDP2 over 2 ranks, BF16 parameters and activations.
+# LlamaConfig, converted with dtq.convert, FSDP2 over 2 ranks, BF16 parameters and activations,
+# weights gathered quantized (the default, "auto", gathers plain ones between the ranks of one host).
 HF = [
     "launch/train.py",
+    "--set",
+    "parallel.quantized_gather=true",
     "--set",
     "model.kind=hf_llama",
     "--set",
