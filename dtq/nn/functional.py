@@ -22,6 +22,7 @@ import dataclasses
 import torch
 
 from dtq import kernels
+from dtq._bits import stored_amax
 from dtq._library import define
 
 
@@ -152,8 +153,37 @@ def _swiglu_grad(ctx, dh):
     return _swiglu_backward_op(dh, x, ctx.block), None
 
 
+def _swiglu_amax_impl(x: torch.Tensor, block: int) -> list[torch.Tensor]:
+    """The compiled path of :func:`swiglu` with a ``link``: ``[h, max|h|]``, the amax from the
+    kernel as eager's :class:`AmaxLink` hands it to the down projection (else a reduction of h,
+    which inductor cannot fuse into this op), or h's stored values' amax where no kernel ran."""
+    link = AmaxLink()
+    h = _SwiGLU.forward(_NoCtx(), x, block, link)
+    amax = link.h_amax
+    if amax is None:
+        amax = stored_amax(h) if h.numel() else torch.zeros((), device=h.device)
+    return [h, amax]
+
+
+def _swiglu_amax_fake(x, block):
+    return [_swiglu_fake(x, block), torch.empty((), dtype=torch.float32, device=x.device)]
+
+
+def _swiglu_amax_setup(ctx, inputs, output):
+    _swiglu_setup(ctx, inputs, output)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _swiglu_amax_grad(ctx, grads):
+    (x,) = ctx.saved_tensors
+    return _swiglu_backward_op(grads[0], x, ctx.block), None  # (max|h| takes no gradient)
+
+
 _swiglu_backward_op = define("swiglu_backward", _swiglu_backward_impl, _swiglu_backward_fake)
 _swiglu_op = define("swiglu", _swiglu_impl, _swiglu_fake, backward=_swiglu_grad, setup_context=_swiglu_setup)
+_swiglu_amax_op = define(
+    "swiglu_amax", _swiglu_amax_impl, _swiglu_amax_fake, backward=_swiglu_amax_grad, setup_context=_swiglu_amax_setup
+)
 
 
 def swiglu(x: torch.Tensor, block: int | None = None, *, link: AmaxLink | None = None) -> torch.Tensor:
@@ -169,6 +199,11 @@ def swiglu(x: torch.Tensor, block: int | None = None, *, link: AmaxLink | None =
         raise ValueError(f"swiglu: block={block} must divide half the last dim ({f}) of x (shape {tuple(x.shape)})")
     if not x.is_floating_point():
         raise ValueError(f"swiglu: x must be floating point, got {x.dtype}")
-    if torch.compiler.is_compiling():  # one opaque op each way (no amax link: it is Python state)
-        return _swiglu_op(x, block)
+    if torch.compiler.is_compiling():  # one opaque op each way
+        if link is None:
+            return _swiglu_op(x, block)
+        # max|h| as an output (backward's max|dx| cannot travel to the up projection's backward
+        # through autograd: there that GEMM reduces dx itself)
+        h, link.h_amax = _swiglu_amax_op(x, block)
+        return h
     return _SwiGLU.apply(x, block, link)

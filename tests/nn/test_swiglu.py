@@ -339,3 +339,42 @@ def test_layernorm_mlp_link_is_bitwise_the_unlinked_composition(recipe):
     got, ref = run(True), run(False)
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], rtol=0, atol=0, equal_nan=True, msg=name)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_kernels)])
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_delayed"])
+def test_compiled_layernorm_mlp_takes_max_h_from_the_swiglu_op(recipe, device):
+    """Compiled under current scaling, the down projection's max|h| is an output of the SwiGLU op
+    (``dtq::swiglu_amax``: on CUDA the kernel's, which eager's AmaxLink hands over too), not a
+    reduction of h of its own (inductor cannot fuse one into the opaque op: on an H200 it read
+    the [8192, 8192] h again, 0.5 ms a 1.07 B step). Delayed scaling reads no amax of h: the plain
+    op. The compiled model keeps eager's bits (aot_eager: the norm runs eager's kernel too)."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    from tests._recipe_matrix import RECIPES
+
+    r = RECIPES[recipe]()
+    kw = {"params_dtype": torch.bfloat16, "device": device, "name": "mlp", "bias": False}
+
+    def make():
+        torch.manual_seed(3)
+        return dtq.nn.LayerNormMLP(256, 512, normalization="RMSNorm", activation="swiglu", **kw)
+
+    def step(model):
+        x = torch.randn(64, 256, generator=torch.Generator().manual_seed(4)).to(device, torch.bfloat16)
+        x.requires_grad_(True)
+        with dtq.autocast(r):
+            y = model(x)
+        y.float().square().sum().backward()
+        return [y.detach(), x.grad, *(p.grad for p in model.parameters())]
+
+    backend = AotEagerAndRecordGraphs()
+    eager, compiled = make(), make()
+    compiled_fn = torch.compile(compiled, backend=backend, fullgraph=True)
+    for _ in range(2):  # (delayed scaling: its histories advance alike)
+        for a, b in zip(step(compiled_fn), step(eager)):
+            assert torch.equal(a, b)
+    forward = "\n".join(g.code for g in backend.fw_graphs)
+    assert ("dtq.swiglu_amax" in forward) == (recipe == "fp8"), forward
+    assert ("dtq.swiglu_fw" in forward) == (recipe != "fp8"), forward
