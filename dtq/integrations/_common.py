@@ -28,10 +28,15 @@ def check_master_weights(
         )
 
 
-def check_gather_settings(who: str, quantized_params: bool, quantized_gather: bool) -> None:
-    """``quantized_gather=False`` (``dtq.parallel.gather_high_precision``) is for high-precision
-    weights: quantized parameters are stored, and gathered, in their format."""
-    if quantized_params and not quantized_gather:
+def check_gather_settings(who: str, quantized_params: bool, quantized_gather: bool | str) -> None:
+    """``quantized_gather`` is True, False or "auto"; False (``dtq.parallel.gather_high_precision``)
+    is for high-precision weights: quantized parameters are stored, and gathered, in their format."""
+    if quantized_gather not in (True, False, "auto"):
+        raise ValueError(
+            f"{who}: quantized_gather={quantized_gather!r}: expected True (FSDP2 gathers the weights "
+            'quantized), False (unquantized, each GEMM quantizing) or "auto" (quantized only across hosts)'
+        )
+    if quantized_params and quantized_gather is False:
         raise ValueError(
             f"{who}: quantized_gather=False needs quantized_params=False (quantized parameters are "
             "gathered in their format); keep quantized_gather=True with quantized parameters, or train "

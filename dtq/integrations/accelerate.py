@@ -12,7 +12,7 @@ it. dtq needs no autocast hook in Accelerate: ``dtq.convert`` binds the recipe t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from accelerate import Accelerator
@@ -43,13 +43,14 @@ def convert(
     model: torch.nn.Module,
     recipe: Recipe | str,
     *,
-    quantized_gather: bool = True,
+    quantized_gather: bool | Literal["auto"] = "auto",
     **convert_kwargs: Any,
 ) -> torch.nn.Module:
     """``dtq.convert(model, recipe=recipe, ...)`` with the shape check sized to the FSDP sharding
     ``accelerator.prepare`` will apply; build the optimizer on the returned model's parameters.
     ``quantized_gather=False``: plain weights that FSDP2 gathers unquantized, each GEMM quantizing
-    its gathered weight (``dtq.parallel.gather_high_precision``)."""
+    its gathered weight (``dtq.parallel.gather_high_precision``); "auto" (the default): that, unless
+    the job's ranks run on several hosts (``dtq.parallel.resolve_quantized_gather``)."""
     if accelerator.mixed_precision == "fp8":
         raise ValueError(
             "dtq.integrations.accelerate.convert: Accelerator(mixed_precision='fp8') converts the same "
@@ -61,7 +62,9 @@ def convert(
     )
     convert_kwargs.setdefault("fsdp_world", _fsdp_world(accelerator))
     model = dtq.convert(model, recipe=as_recipe(recipe), **convert_kwargs)
-    if not quantized_gather:
+    if not dtq.parallel.resolve_quantized_gather(
+        quantized_gather, quantized_params=bool(convert_kwargs.get("quantized_params"))
+    ):
         dtq.parallel.gather_high_precision(model)
     return model
 

@@ -17,14 +17,14 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
 
 import dtq
 from dtq.integrations._common import check_gather_settings, check_master_weights
-from dtq.parallel.fsdp import gather_high_precision, precompute_amax
+from dtq.parallel.fsdp import gather_high_precision, precompute_amax, resolve_quantized_gather
 from dtq.presets import as_recipe
 from dtq.recipe import Recipe
 
@@ -35,7 +35,9 @@ class DtqPrecision(Precision):
     ``module_filter_fn`` and ``strict`` are ``dtq.convert``'s. Quantized parameters need a
     ``dtq.optim.MasterWeightOptimizer`` from ``configure_optimizers`` (checked at setup).
     ``quantized_gather=False``: plain weights that FSDP2 gathers unquantized, each GEMM quantizing
-    its gathered weight (``dtq.parallel.gather_high_precision``; convert before ``fully_shard``)."""
+    its gathered weight (``dtq.parallel.gather_high_precision``; convert before ``fully_shard``);
+    "auto" (the default): that, unless the job's ranks run on several hosts
+    (``dtq.parallel.resolve_quantized_gather``, decided when the module is converted)."""
 
     precision = "32-true"
 
@@ -44,7 +46,7 @@ class DtqPrecision(Precision):
         recipe: Recipe | str,
         *,
         quantized_params: bool = False,
-        quantized_gather: bool = True,
+        quantized_gather: bool | Literal["auto"] = "auto",
         module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = None,
         strict: bool = False,
     ):
@@ -65,7 +67,7 @@ class DtqPrecision(Precision):
             module_filter_fn=self.module_filter_fn,
             strict=self.strict,
         )
-        if not self.quantized_gather:
+        if not resolve_quantized_gather(self.quantized_gather, quantized_params=self.quantized_params):
             gather_high_precision(module)
         self._converted.add(module)
         return module

@@ -7,9 +7,11 @@ a :class:`DtqLinear` config (keeping its ``param_init``); the built :class:`DtqL
 ``dtq.nn.Linear`` (so an ``nn.Linear``) and a torchtitan ``Module`` with the recipe bound as its
 default, so it quantizes also where torchtitan calls it outside the model's forward (the chunked
 loss calls ``lm_head`` itself). By default its parameters stay high precision: they are the
-master weights, and FSDP2 gathers them quantized; with ``DtqConverter.Config(quantized_gather=False)``
-(torchao's ``enable_fsdp_float8_all_gather=False``) they are plain parameters that FSDP2 gathers
-unquantized, each GEMM quantizing the gathered weight (``dtq.parallel.gather_high_precision``).
+master weights. ``DtqConverter.Config(quantized_gather=...)``: True, FSDP2 gathers them quantized;
+False (torchao's ``enable_fsdp_float8_all_gather=False``), they are plain parameters that FSDP2
+gathers unquantized, each GEMM quantizing the gathered weight (``dtq.parallel.gather_high_precision``);
+"auto" (the default), quantized only where the job's ranks run on several hosts
+(``dtq.parallel.resolve_quantized_gather``).
 
 With ``DtqConverter.Config(quantized_params=True)`` each :class:`DtqLinear` weight is a dtq
 quantized parameter (what ``dtq.convert(quantized_params=True)`` makes): created on the meta
@@ -64,7 +66,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -86,7 +88,7 @@ from dtq.integrations._torchtitan_tp import tp_style
 from dtq.nn.linear import Linear
 from dtq.nn.module import QuantizedModule
 from dtq.optim import MasterWeightOptimizer, _is_quantized
-from dtq.parallel.fsdp import gather_high_precision
+from dtq.parallel.fsdp import gather_high_precision, resolve_quantized_gather
 from dtq.parallel.master import quantize_master_weights
 from dtq.presets import recipe_from_name
 from dtq.recipe import Recipe
@@ -109,8 +111,9 @@ class DtqLinear(Linear, Module):
         """The module's fully qualified name (its quantizer roles' name)."""
         quantized_params: bool = False
         """Store the weight as a dtq quantized parameter (``dtq.convert(quantized_params=True)``'s)."""
-        quantized_gather: bool = True
-        """False: a plain weight parameter, gathered unquantized by FSDP2 and quantized by the GEMM."""
+        quantized_gather: bool | Literal["auto"] = "auto"
+        """False: a plain weight parameter, gathered unquantized by FSDP2 and quantized by the GEMM;
+        "auto": False unless the job's ranks run on several hosts (``dtq.parallel.resolve_quantized_gather``)."""
 
     def __init__(self, config: Config):
         Linear.__init__(self, config.in_features, config.out_features, config.bias, name=config.name)
@@ -123,7 +126,7 @@ class DtqLinear(Linear, Module):
         check_gather_settings(who, config.quantized_params, config.quantized_gather)
         if config.quantized_params:  # on the meta device: zero payloads, written by init_states
             quantize_module_weights(self, recipe, fqn=config.name)
-        if not config.quantized_gather:
+        if not resolve_quantized_gather(config.quantized_gather, quantized_params=config.quantized_params):
             gather_high_precision(self)
 
     # torchtitan's checkpointer (ModelWrapper) takes every state-dict value for a tensor, which the
@@ -267,10 +270,11 @@ class DtqConverter(ModelConfigConverter):
         quantized_params: bool = False
         """Store the converted weights as dtq quantized parameters (FSDP2 shards and gathers their
         payloads); step them with :class:`MasterWeightOptimizersContainer`."""
-        quantized_gather: bool = True
+        quantized_gather: bool | Literal["auto"] = "auto"
         """False: plain high-precision weights, which FSDP2 gathers unquantized and each GEMM
         quantizes (torchao's ``enable_fsdp_float8_all_gather=False``): the faster step on GPUs of
-        one host (docs/benchmarks.md, FSDP2)."""
+        one host (docs/benchmarks.md, FSDP2). "auto": False unless the job's ranks run on several
+        hosts, where the quantized gather's halved bytes count (``dtq.parallel.resolve_quantized_gather``)."""
 
     def __init__(self, config: Config):
         check_gather_settings(

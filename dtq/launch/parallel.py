@@ -5,11 +5,9 @@ consecutive, then the FSDP2 shards of one HSDP replica."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Mapping
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
@@ -93,22 +91,11 @@ def reshard_after_forward(setting: bool | str, shard_ranks: int) -> bool:
 
 
 def quantized_gather(setting: bool | str, dp_mesh: DeviceMesh, quantized_params: bool) -> bool:
-    """Whether FSDP2 gathers high-precision weights quantized (``parallel.quantized_gather``).
-    "auto": only where one weight's shards lie on more than one host. Between GPUs of one host
-    (and on one GPU) the plain gather has been the faster FP8 step in every run so far, and it lets
-    per-tensor FP8's compiled GEMMs run from the graph (docs/benchmarks.md, FSDP2); across hosts
-    the quantized gather's halved bytes are what it is for. Quantized parameters are gathered as
-    stored. Collective over the FSDP2 shard group (every rank must call it)."""
-    if quantized_params:
-        return True
-    if setting != "auto":
-        return bool(setting)
-    group = dp_mesh["dp"]
-    if group.size() == 1:
-        return False
-    hosts: list[str | None] = [None] * group.size()
-    dist.all_gather_object(hosts, socket.gethostname(), group=group.get_group())
-    return len(set(hosts)) > 1
+    """Whether FSDP2 gathers high-precision weights quantized (``parallel.quantized_gather``), decided
+    over the FSDP2 shard group (the mesh's "dp" dim): "auto" quantizes only where one weight's
+    shards lie on several hosts (``dtq.parallel.resolve_quantized_gather``; every rank calls it)."""
+    group = dp_mesh["dp"].get_group()
+    return dtq.parallel.resolve_quantized_gather(setting, quantized_params=quantized_params, group=group)
 
 
 def parallelize(

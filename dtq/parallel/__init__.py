@@ -3,7 +3,7 @@
 on :mod:`dtq.nn`; the collectives that dtq modules run themselves are in :mod:`dtq.distributed`."""
 
 from dtq.distributed.comm import comm_stats
-from dtq.parallel.fsdp import HighPrecisionWeight, gather_high_precision, precompute_amax
+from dtq.parallel.fsdp import HighPrecisionWeight, gather_high_precision, precompute_amax, resolve_quantized_gather
 from dtq.parallel.master import FlatSlice, quantize_master_weights
 from dtq.parallel.offload import offload
 from dtq.parallel.styles import ColwiseParallel, LayerNormMLPParallel, RowwiseParallel
@@ -13,6 +13,7 @@ __all__ = [
     "comm_stats",
     "precompute_amax",
     "gather_high_precision",
+    "resolve_quantized_gather",
     "HighPrecisionWeight",
     "FlatSlice",
     "quantize_master_weights",

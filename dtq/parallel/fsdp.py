@@ -1,10 +1,15 @@
 """``precompute_amax``: the global amaxes of every FSDP2-sharded high-precision dtq weight in one
 all-reduce per process group, reused by the all-gathers (:mod:`dtq.distributed.gather`) until the
-weight changes. ``gather_high_precision``: the opt-out, weights that FSDP2 gathers unquantized."""
+weight changes. ``gather_high_precision``: the opt-out, weights that FSDP2 gathers unquantized;
+``resolve_quantized_gather``: which of the two a ``quantized_gather`` setting ("auto") means here."""
 
 from __future__ import annotations
 
+import socket
+from typing import Literal
+
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -18,7 +23,35 @@ from dtq.nn.module import QuantizedModule
 from dtq.tensor import QuantizedTensor
 from dtq.weights import HighPrecisionWeight, local_data, local_tensor, unwrap
 
-__all__ = ["precompute_amax", "gather_high_precision", "HighPrecisionWeight"]
+__all__ = ["precompute_amax", "gather_high_precision", "resolve_quantized_gather", "HighPrecisionWeight"]
+
+_SPANS_HOSTS: dict = {}  # process group (None: the whole job) -> whether its ranks run on several hosts
+
+
+def resolve_quantized_gather(
+    setting: bool | Literal["auto"], *, quantized_params: bool = False, group: dist.ProcessGroup | None = None
+) -> bool:
+    """Whether FSDP2 gathers high-precision weights quantized for a ``quantized_gather`` setting:
+    True and False as given; "auto": only where the ranks of ``group`` (FSDP2's shard group; None:
+    the whole job) run on more than one host. Between the GPUs of one host (and on one GPU) the
+    plain gather (:func:`gather_high_precision`) has been the faster FP8 step in every run so far,
+    and per-tensor FP8's compiled GEMMs then run from the graph; across hosts the quantized
+    gather's halved bytes are what it is for (docs/benchmarks.md, FSDP2). Quantized parameters are
+    gathered in their format whatever the setting. "auto" compares host names over ``group`` once
+    per process (a collective: every rank of the group calls it the first time)."""
+    if setting not in (True, False, "auto"):
+        raise ValueError(f'quantized_gather={setting!r}: expected True, False or "auto"')
+    if quantized_params:
+        return True
+    if setting != "auto":
+        return bool(setting)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return False
+    if group not in _SPANS_HOSTS:
+        hosts: list[str | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        _SPANS_HOSTS[group] = len(set(hosts)) > 1
+    return _SPANS_HOSTS[group]
 
 
 def gather_high_precision(model: torch.nn.Module) -> list[str]:

@@ -69,6 +69,10 @@ def test_accelerate_refuses_plain_optimizers_and_its_own_fp8():
         accelerator = Accelerator(cpu=True)
         plain = dtq_accelerate.convert(accelerator, torch.nn.Linear(H, H), "mxfp8", quantized_gather=False)
         assert type(plain.weight) is torch.nn.Parameter  # gathered unquantized by FSDP2
+        # "auto" (the default): unquantized gathers within one host (one process here)
+        assert type(dtq_accelerate.convert(accelerator, torch.nn.Linear(H, H), "mxfp8").weight) is torch.nn.Parameter
+        kept = dtq_accelerate.convert(accelerator, torch.nn.Linear(H, H), "mxfp8", quantized_gather=True)
+        assert isinstance(kept.weight, dtq.parallel.HighPrecisionWeight)  # gathered quantized
         with pytest.raises(ValueError, match="quantized_gather=False needs quantized_params=False"):
             dtq_accelerate.convert(
                 accelerator, torch.nn.Linear(H, H), "mxfp8", quantized_params=True, quantized_gather=False

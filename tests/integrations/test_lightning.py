@@ -82,13 +82,14 @@ def _check_lightning(rank, world):
         _trainer(strategy, plugin, devices=world).fit(module, _loader())
         return module, dtq.parallel.comm_stats()
 
-    module, stats = fit(DtqPrecision("fp8"))
+    module, stats = fit(DtqPrecision("fp8", quantized_gather=True))
     assert isinstance(module.net[0], dtq.nn.Linear) and hasattr(module.net[0].weight, "device_mesh")
     assert len(module.losses) == 3 and module.losses[2] < module.losses[0], module.losses
     assert stats.get("fp8/rowwise", 0) > 0 and stats.get("fp8/columnwise", 0) > 0, stats
-    # quantized_gather=False: FSDP2 gathers plain shards, the GEMMs quantize the whole weight as the
-    # quantized gather delivers it: the same losses, bit for bit, and no dtq gathers
-    plain, stats = fit(DtqPrecision("fp8", quantized_gather=False))
+    # quantized_gather="auto" (the default), both ranks on one host: FSDP2 gathers plain shards, the
+    # GEMMs quantize the whole weight as the quantized gather delivers it: the same losses, bit for
+    # bit, and no dtq gathers
+    plain, stats = fit(DtqPrecision("fp8"))
     assert type(plain.net[0].weight._local_tensor) is torch.Tensor and stats == {}, stats
     assert plain.losses == module.losses, (plain.losses, module.losses)
 
@@ -116,3 +117,5 @@ def test_lightning_plugin_single_device_and_master_weight_check():
         _trainer("auto", plugin).fit(module, _loader())
     with pytest.raises(ValueError, match="quantized_gather=False needs quantized_params=False"):
         DtqPrecision("mxfp8", quantized_params=True, quantized_gather=False)
+    with pytest.raises(ValueError, match=r"quantized_gather='sometimes': expected True .*, False .* or \"auto\""):
+        DtqPrecision("mxfp8", quantized_gather="sometimes")

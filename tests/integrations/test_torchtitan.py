@@ -703,6 +703,8 @@ def test_torchtitan_converter_reports_and_strict(caplog):
     refused = r"DtqConverter.Config: quantized_gather=False needs quantized_params=False .*keep quantized_gather"
     with pytest.raises(ValueError, match=refused):
         DtqConverter.Config(quantized_params=True, quantized_gather=False).build()
+    with pytest.raises(ValueError, match=r"quantized_gather='yes': expected True .*, False .* or \"auto\""):
+        DtqConverter.Config(quantized_gather="yes").build()
 
 
 def test_torchtitan_quantized_linear_in_one_process():
