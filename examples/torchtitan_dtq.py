@@ -1,4 +1,5 @@
-"""torchtitan's Llama 3 debug model trained with dtq (MXFP8 GEMMs, FSDP2 gathers in MXFP8).
+"""torchtitan's Llama 3 debug model trained with dtq (MXFP8 GEMMs; FSDP2 gathers the weights in
+MXFP8 across hosts and unquantized within one, ``quantized_gather="auto"``).
 
 A torchtitan ``config_registry`` module: torchtitan's trainer imports it by module path.
 

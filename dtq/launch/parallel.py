@@ -99,7 +99,7 @@ def quantized_gather(setting: bool | str, dp_mesh: DeviceMesh, quantized_params:
 
 
 def parallelize(
-    model: torch.nn.Module, mesh: DeviceMesh, cfg: Config, recipe=None, gather_quantized: bool = True
+    model: torch.nn.Module, mesh: DeviceMesh, cfg: Config, recipe=None, *, gather_quantized: bool
 ) -> torch.nn.Module:
     """TP styles (when ``tp > 1``), then quantized parameters (``train.quantized_params``: after the
     styles, so every TP shard is the slice of the whole weight's quantization) or plain ones

@@ -265,7 +265,7 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto", 
     gather_quantized = parallel.quantized_gather(
         cfg.parallel.quantized_gather, parallel.data_parallel_mesh(mesh), tc.quantized_params
     )
-    model = parallel.parallelize(model, mesh, cfg, recipe, gather_quantized)
+    model = parallel.parallelize(model, mesh, cfg, recipe, gather_quantized=gather_quantized)
     model.recompute = tc.recompute
     opt = optim.build_optimizer(model, tc)
 

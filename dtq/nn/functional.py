@@ -161,7 +161,7 @@ def _swiglu_amax_impl(x: torch.Tensor, block: int) -> list[torch.Tensor]:
     h = _SwiGLU.forward(_NoCtx(), x, block, link)
     amax = link.h_amax
     if amax is None:
-        amax = stored_amax(h) if h.numel() else torch.zeros((), device=h.device)
+        amax = stored_amax(h) if h.numel() else torch.zeros((), dtype=torch.float32, device=h.device)
     return [h, amax]
 
 

@@ -25,7 +25,7 @@ from dtq.weights import HighPrecisionWeight, local_data, local_tensor, unwrap
 
 __all__ = ["precompute_amax", "gather_high_precision", "resolve_quantized_gather", "HighPrecisionWeight"]
 
-_SPANS_HOSTS: dict = {}  # process group (None: the whole job) -> whether its ranks run on several hosts
+_SPANS_HOSTS: dict = {}  # a group's global ranks -> whether they run on several hosts
 
 
 def resolve_quantized_gather(
@@ -37,8 +37,10 @@ def resolve_quantized_gather(
     plain gather (:func:`gather_high_precision`) has been the faster FP8 step in every run so far,
     and per-tensor FP8's compiled GEMMs then run from the graph; across hosts the quantized
     gather's halved bytes are what it is for (docs/benchmarks.md, FSDP2). Quantized parameters are
-    gathered in their format whatever the setting. "auto" compares host names over ``group`` once
-    per process (a collective: every rank of the group calls it the first time)."""
+    gathered in their format whatever the setting. "auto" compares host names
+    (``socket.gethostname``) over ``group`` once per process and set of ranks (a collective: every
+    rank of the group calls it the first time); containers on different machines that report one
+    host name read as one host (plain gathers: a slower step, the same training)."""
     if setting not in (True, False, "auto"):
         raise ValueError(f'quantized_gather={setting!r}: expected True, False or "auto"')
     if quantized_params:
@@ -47,11 +49,12 @@ def resolve_quantized_gather(
         return bool(setting)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return False
-    if group not in _SPANS_HOSTS:
-        hosts: list[str | None] = [None] * dist.get_world_size(group)
+    key = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    if key not in _SPANS_HOSTS:
+        hosts: list[str | None] = [None] * len(key)
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        _SPANS_HOSTS[group] = len(set(hosts)) > 1
-    return _SPANS_HOSTS[group]
+        _SPANS_HOSTS[key] = len(set(hosts)) > 1
+    return _SPANS_HOSTS[key]
 
 
 def gather_high_precision(model: torch.nn.Module) -> list[str]:

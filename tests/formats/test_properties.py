@@ -576,3 +576,24 @@ def test_empty_payload_is_quantized_zeros(q, shape, dtype):
     # zero_() in place gives the same bytes
     t.zero_()
     assert_qt_equal(t, z)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(37,), (5, 9), (3, 1, 17), (2, 3, 4, 5)])
+def test_stored_amax_is_the_flat_max_of_the_stored_bits(shape, dtype):
+    """``stored_amax`` reduces rows first, then the rows (a shape inductor splits well): the same
+    value, bit for bit, as one flat max over the bit patterns with the sign cleared, NaN payloads,
+    infinities and -0 included, on a transposed (non-contiguous) view too."""
+    from dtq._bits import stored_amax
+
+    ints = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[dtype]
+    g = torch.Generator().manual_seed(len(shape))
+    n = int(torch.tensor(shape).prod())
+    bits = torch.randint(torch.iinfo(ints).min, torch.iinfo(ints).max, (n,), generator=g, dtype=torch.int64)
+    for x in (bits.to(ints).view(dtype).reshape(shape), torch.randn(shape, generator=g).to(dtype)):
+        x.view(-1)[:2] = torch.tensor([float("-inf"), -0.0], dtype=dtype)
+        for t in (x, x.transpose(0, -1)):
+            flat = (t.reshape(-1).view(ints) & torch.iinfo(ints).max).max().view(dtype).float()
+            got = stored_amax(t)
+            assert got.dtype == torch.float32 and got.shape == ()
+            assert got.view(torch.int32) == flat.view(torch.int32), (t, got, flat)

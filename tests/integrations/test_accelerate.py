@@ -31,7 +31,7 @@ def _check_accelerate(rank, world):
     assert accelerator.num_processes == world and accelerator.distributed_type == DistributedType.MULTI_CPU
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(H, 2 * H), torch.nn.ReLU(), torch.nn.Linear(2 * H, 100))
-    model = dtq_accelerate.convert(accelerator, model, "mxfp8")
+    model = dtq_accelerate.convert(accelerator, model, "mxfp8", quantized_gather=True)  # the weight wrapper under DDP
     assert isinstance(model[0], dtq.nn.Linear) and type(model[2]) is torch.nn.Linear  # 100 rows: no MX blocks
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = dtq_accelerate.prepare(accelerator, model, optimizer)
@@ -103,7 +103,10 @@ def _check_fsdp2_ram_efficient_loading(rank, world):
     assert accelerator.distributed_type == DistributedType.FSDP
     torch.manual_seed(0)
     model = dtq_accelerate.convert(
-        accelerator, torch.nn.Sequential(torch.nn.Linear(H, 2 * H), torch.nn.GELU(), torch.nn.Linear(2 * H, H)), "fp8"
+        accelerator,
+        torch.nn.Sequential(torch.nn.Linear(H, 2 * H), torch.nn.GELU(), torch.nn.Linear(2 * H, H)),
+        "fp8",
+        quantized_gather=True,  # (as the run that found the failure gathered)
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with pytest.warns(UserWarning, match="cpu_ram_efficient_loading is turned off"):

@@ -548,7 +548,9 @@ def _train_tp(sp: bool, how: str, parallel_dims, steps: int = 3, recipe: str = "
     from dtq.integrations.torchtitan import DtqConverter, post_optimizer_build_fn
 
     config = _titan_tp_model_config(sp, linears=how == "titan")
-    config = DtqConverter.Config(recipe=recipe, strict=True).build().convert(config)
+    # quantized gathers: the high-precision weight wrapper under torchtitan's TP ("auto" would give
+    # plain weights on this one host)
+    config = DtqConverter.Config(recipe=recipe, strict=True, quantized_gather=True).build().convert(config)
     with torch.device("meta"):
         model = config.build()
     if how != "single":
