@@ -5,9 +5,11 @@ from dtq's tiled kernel, ``dtq::transposed_codes``) instead of one opaque op per
 own launches and host time; what torchao's float8 training compiles to. The ops are each codec's
 ``Codec.traced_quantize`` (per-tensor FP8 today), bitwise its ``quantize``; x is taken at its
 stored precision (a bitcast round trip: inductor would otherwise feed its unrounded fp32
-intermediate into the cast). A codec without that form, a symbolic shape or a GPU older than
-sm_89 keeps the op (the decomposition returns ``NotImplemented``); backends other than inductor
-keep it too.
+intermediate into the cast). A codec without that form, a symbolic shape, a GPU older than
+sm_89 or a tensor that comes out of another dtq kernel (the ops' ``fuse`` False: SwiGLU's h and
+its input's gradient, which nothing fuses into, and whose codes dtq's one-pass kernel writes in
+both layouts from one read) keeps the op (the decomposition returns ``NotImplemented``); backends
+other than inductor keep it too.
 
 The GEMMs of a planned call on a high-precision weight likewise (``dtq::linear``'s forward and
 ``dtq::linear_backward``), where every GEMM path is torch's own ops on the payloads
@@ -117,16 +119,16 @@ def _linear_backward(dy, saved, weight, w_fields, wkey, handle, key, need_dgrad,
     return [g.contiguous() for g in grads if g is not None]
 
 
-def _quantize_input(x, x_amax, key, need_dgrad, need_wgrad, out_features, w_dtype):
-    if not _static(x):
+def _quantize_input(x, x_amax, key, need_dgrad, need_wgrad, out_features, w_dtype, fuse):
+    if not (fuse and _static(x)):
         return NotImplemented
     with _untraced():
         plan = _ops._input_plan(x, key, need_dgrad, need_wgrad, out_features, w_dtype)
     return _traced_payloads(plan.qx.q, plan.x_layout, x, x_amax)
 
 
-def _quantize_grad(dy, dy_amax, key, need_dgrad, need_wgrad, x_shape, x_dtype, w_dtype):
-    if not (_static(dy) and all(isinstance(s, int) for s in x_shape)):
+def _quantize_grad(dy, dy_amax, key, need_dgrad, need_wgrad, x_shape, x_dtype, w_dtype, fuse):
+    if not (fuse and _static(dy) and all(isinstance(s, int) for s in x_shape)):
         return NotImplemented
     with _untraced():
         plan = _ops._grad_plan(dy, key, need_dgrad, need_wgrad, x_shape, x_dtype, w_dtype)

@@ -21,6 +21,7 @@ from dtq._bits import stored_amax
 from dtq._library import define, forward_op
 from dtq._torch_private import in_backward
 from dtq.formats import COLUMNWISE, ROWWISE
+from dtq.nn import _handoff
 from dtq.nn import _linear_fn as lf
 from dtq.nn.gemm_state import GemmCall, GemmHandle, GemmSlots, content_key, template
 from dtq.nn.linear_plan import LinearPlan, shape_plan
@@ -394,11 +395,15 @@ def _backward(ctx, grads):
     weight, *saved = ctx.saved_tensors
     dy, dy_amax, dy_payloads = grads[0], None, []
     if planned and (need_dgrad or need_wgrad) and dy.numel():
+        # max|dy| from the dtq kernel that produced dy (SwiGLU's backward), if one did: then
+        # nothing produces dy that inductor could fuse dy's amax or cast into either
+        handed = _handoff.take(dy)
         if takes_tensor_amax(key, "grad_output"):
-            dy_amax = stored_amax(dy.detach())  # in the graph: fused into dy's producer
+            # else in the graph: fused into dy's producer
+            dy_amax = handed if handed is not None else stored_amax(dy.detach())
         if quantizes_grad_apart(key):  # in the graph too, where inductor can fuse it (_fused_input)
             x_shape, x_dtype = ctx.args[5:7]
-            args = (key, need_dgrad, need_wgrad, x_shape, x_dtype, weight.dtype)
+            args = (key, need_dgrad, need_wgrad, x_shape, x_dtype, weight.dtype, handed is None)
             dy_payloads = quantize_grad(dy.detach(), dy_amax, *args)
     out = iter(linear_backward(dy, saved, weight, [], 0, *ctx.args, dy_amax, dy_payloads))
     dx = next(out) if need_dgrad else None
@@ -453,15 +458,17 @@ def _quantize_grad_impl(
     x_shape: list[int],
     x_dtype: torch.dtype,
     w_dtype: torch.dtype,
+    fuse: bool,
 ) -> list[torch.Tensor]:
     """dy quantized as a planned call of template ``key`` quantizes it in backward
     (``LinearPlan.g_layout``'s distinct tensors), for ``dtq::linear_backward``'s ``dy_payloads``:
-    an op of the backward graph, which inductor decomposes into kernels fused with dy's producer."""
+    an op of the backward graph, which inductor decomposes into kernels fused with dy's producer
+    where ``fuse`` (else dtq's one-pass kernel runs: dy comes out of another dtq kernel)."""
     plan = _grad_plan(dy, key, need_dgrad, need_wgrad, x_shape, x_dtype, w_dtype)
     return _unaliased(plan.quantize_grad(dy, dy_amax), (dy, dy_amax))
 
 
-def _quantize_grad_fake(dy, dy_amax, key, need_dgrad, need_wgrad, x_shape, x_dtype, w_dtype):
+def _quantize_grad_fake(dy, dy_amax, key, need_dgrad, need_wgrad, x_shape, x_dtype, w_dtype, fuse):
     return _grad_plan(dy, key, need_dgrad, need_wgrad, x_shape, x_dtype, w_dtype).empty_grad(dy)
 
 
@@ -481,17 +488,21 @@ def _quantize_input_impl(
     need_wgrad: bool,
     out_features: int,
     w_dtype: torch.dtype,
+    fuse: bool,
 ) -> list[torch.Tensor]:
     """x quantized as a planned call of template ``key`` quantizes its input (``LinearPlan.x_layout``'s
     distinct tensors), for ``dtq::linear``'s ``x_payloads``. Its arguments name no module, so the
     calls of GEMMs that read one x the same way (q, k and v; gate and up) are identical, and
     AOTAutograd's common-subexpression pass runs one of them: x is quantized once, and backward
-    keeps one copy of its columnwise codes, as eager's ``_LastInput`` does."""
+    keeps one copy of its columnwise codes, as eager's ``_LastInput`` does. ``fuse``: inductor
+    may decompose it into kernels fused with x's producer (``dtq.nn._fused_input``); False where
+    x comes out of a dtq kernel, which nothing fuses into: dtq's one-pass kernel writes both
+    layouts of the codes from one read, where the decomposition casts and then transposes."""
     plan = _input_plan(x, key, need_dgrad, need_wgrad, out_features, w_dtype)
     return _unaliased(plan.quantize_input(x, x_amax), (x, x_amax))
 
 
-def _quantize_input_fake(x, x_amax, key, need_dgrad, need_wgrad, out_features, w_dtype):
+def _quantize_input_fake(x, x_amax, key, need_dgrad, need_wgrad, out_features, w_dtype, fuse):
     return _input_plan(x, key, need_dgrad, need_wgrad, out_features, w_dtype).empty_input(x)
 
 

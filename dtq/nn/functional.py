@@ -24,6 +24,7 @@ import torch
 from dtq import kernels
 from dtq._bits import stored_amax
 from dtq._library import define
+from dtq.nn import _handoff
 
 
 def _halves(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,6 +136,27 @@ def _swiglu_backward_fake(dh, x, block):
     return torch.empty_like(x)
 
 
+def _swiglu_backward_amax_impl(dh: torch.Tensor, x: torch.Tensor, block: int) -> list[torch.Tensor]:
+    """``[dx, max|dx|]``: the compiled backward of :func:`swiglu` with a ``link``, the amax from the
+    kernel as eager's :class:`AmaxLink` hands it to the up projection (or dx's stored values'
+    amax where no kernel ran)."""
+    ctx = _NoCtx()
+    ctx.saved_tensors, ctx.block, ctx.link = (x,), block, AmaxLink()
+    with torch.no_grad():
+        dx = _SwiGLU.backward(ctx, dh)[0]
+    return [dx, _amax_or_stored(ctx.link.grad_amax, dx)]
+
+
+def _swiglu_backward_amax_fake(dh, x, block):
+    return [torch.empty_like(x), torch.empty((), dtype=torch.float32, device=x.device)]
+
+
+def _amax_or_stored(amax: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
+    if amax is not None:
+        return amax
+    return stored_amax(t) if t.numel() else torch.zeros((), dtype=torch.float32, device=t.device)
+
+
 class _NoCtx:
     """Stands in for autograd's ctx when the custom ops call _SwiGLU's bodies."""
 
@@ -159,10 +181,7 @@ def _swiglu_amax_impl(x: torch.Tensor, block: int) -> list[torch.Tensor]:
     which inductor cannot fuse into this op), or h's stored values' amax where no kernel ran."""
     link = AmaxLink()
     h = _SwiGLU.forward(_NoCtx(), x, block, link)
-    amax = link.h_amax
-    if amax is None:
-        amax = stored_amax(h) if h.numel() else torch.zeros((), dtype=torch.float32, device=h.device)
-    return [h, amax]
+    return [h, _amax_or_stored(link.h_amax, h)]
 
 
 def _swiglu_amax_fake(x, block):
@@ -176,10 +195,14 @@ def _swiglu_amax_setup(ctx, inputs, output):
 
 def _swiglu_amax_grad(ctx, grads):
     (x,) = ctx.saved_tensors
-    return _swiglu_backward_op(grads[0], x, ctx.block), None  # (max|h| takes no gradient)
+    # max|dx| from the kernel, for the up projection's backward formula (traced next)
+    dx, amax = _swiglu_backward_amax_op(grads[0], x, ctx.block)
+    _handoff.offer(dx, amax)
+    return dx, None  # (max|h| takes no gradient)
 
 
 _swiglu_backward_op = define("swiglu_backward", _swiglu_backward_impl, _swiglu_backward_fake)
+_swiglu_backward_amax_op = define("swiglu_backward_amax", _swiglu_backward_amax_impl, _swiglu_backward_amax_fake)
 _swiglu_op = define("swiglu", _swiglu_impl, _swiglu_fake, backward=_swiglu_grad, setup_context=_swiglu_setup)
 _swiglu_amax_op = define(
     "swiglu_amax", _swiglu_amax_impl, _swiglu_amax_fake, backward=_swiglu_amax_grad, setup_context=_swiglu_amax_setup
@@ -202,8 +225,8 @@ def swiglu(x: torch.Tensor, block: int | None = None, *, link: AmaxLink | None =
     if torch.compiler.is_compiling():  # one opaque op each way
         if link is None:
             return _swiglu_op(x, block)
-        # max|h| as an output (backward's max|dx| cannot travel to the up projection's backward
-        # through autograd: there that GEMM reduces dx itself)
+        # max|h| as an output; backward's max|dx| reaches the up projection's backward through
+        # dtq.nn._handoff (an op cannot hold the link)
         h, link.h_amax = _swiglu_amax_op(x, block)
         return h
     return _SwiGLU.apply(x, block, link)

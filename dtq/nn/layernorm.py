@@ -122,12 +122,14 @@ class LayerNormMLP(QuantizedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":
             # the fused kernels hand max|h| to fc2 and max|d(fc1 out)| to fc1's backward (asked for
-            # under a current-scaling recipe only: other scalings never read them; compiled, max|h|
-            # only, see swiglu)
+            # under a current-scaling recipe only: other scalings never read them); h comes out of
+            # the SwiGLU kernel, which a compiled fc2 cannot fuse its quantization into
             recipe = self.gemm_state.resolve()
             link = AmaxLink() if recipe is not None and not recipe.delayed else None
             h = self._linear(self.norm(x), self.fc1_weight, self.fc1_bias, gemm=0, link=link)
             h = swiglu(h, self.swiglu_interleave, link=link)
-            return self._linear(h, self.fc2_weight, self.fc2_bias, gemm=1, x_amax=link and link.h_amax)
+            return self._linear(
+                h, self.fc2_weight, self.fc2_bias, gemm=1, x_amax=link and link.h_amax, x_from_kernel=True
+            )
         h = self._linear(self.norm(x), self.fc1_weight, self.fc1_bias, gemm=0)
         return self._linear(F.gelu(h, approximate="tanh"), self.fc2_weight, self.fc2_bias, gemm=1)

@@ -215,10 +215,13 @@ class QuantizedModule(torch.nn.Module):
         *,
         x_amax: torch.Tensor | None = None,
         link=None,
+        x_from_kernel: bool = False,
     ) -> torch.Tensor:
         """One GEMM of the module under the active recipe. ``x_amax``: max|x| if known (computed
         by the op that produced x); ``link``: a ``dtq.nn.functional.AmaxLink`` whose ``grad_amax``
         the next op's backward sets to max|dy|. Both only spare current scaling an amax pass.
+        ``x_from_kernel``: x is the output of a dtq kernel, which inductor cannot fuse x's
+        quantization into: a compiled call quantizes x with dtq's own kernel, as eager does.
 
         Under ``torch.compile`` this traces without a graph break: the GEMM is the custom op
         ``dtq::linear`` (``dtq.nn._ops``), which runs the eager code. Tensor-parallel GEMMs still
@@ -268,7 +271,7 @@ class QuantizedModule(torch.nn.Module):
                 # quantization); inductor decomposes it where it can fuse it (_fused_input)
                 _fused_input.register()
                 x_payloads = _ops.quantize_input(
-                    x.detach(), x_amax, key, need_dgrad, need_wgrad, weight.shape[0], weight.dtype
+                    x.detach(), x_amax, key, need_dgrad, need_wgrad, weight.shape[0], weight.dtype, not x_from_kernel
                 )
             outs = _ops.linear(
                 x,
