@@ -54,6 +54,7 @@ SOURCES = (
     "swiglu.cu",
     "epilogue.cu",
     "quantize_alloc.cpp",
+    "ops.cpp",
 )
 # fp32 arithmetic must stay exactly the references': no FMA contraction, no fast math. No -std:
 # torch's extension builder adds the standard its headers need (C++17 on torch 2.11, C++20 on 2.13
@@ -506,7 +507,10 @@ def _transposed_codes_fake(x: torch.Tensor) -> torch.Tensor:
 
 
 # :func:`transposed` as an op, so that a compiled graph writes transposed FP8 codes with the tiled
-# kernel: inductor's own transposing copy of 1-byte codes runs at about half the bandwidth.
+# kernel: inductor's own transposing copy of 1-byte codes runs at about half the bandwidth. Its
+# CUDA kernel is C++ (csrc/ops.cpp, registered when the extension loads): a compiled step calls
+# it about a hundred times, and this Python kernel then runs only until the extension is loaded
+# and for CPU tensors.
 transposed_codes = define("transposed_codes", _transposed_codes_impl, _transposed_codes_fake)
 
 

@@ -443,3 +443,29 @@ def test_byte_transpose_falls_back_where_the_kernel_does_not_apply():
     base = torch.arange(0, 40 * 33, dtype=torch.int32, device="cuda").to(torch.uint8)
     for x in (base.view(40, 33), base[1 : 1 + 32 * 32].view(32, 32), base[: 32 * 40].view(32, 40).float()):
         assert torch.equal(kernels.transposed(x), x.t().contiguous())
+
+
+@needs_cuda
+def test_the_transposed_codes_op_runs_a_cpp_kernel_on_cuda(monkeypatch):
+    """``dtq::transposed_codes`` on CUDA tensors is the C++ kernel of csrc/ops.cpp (a compiled step
+    calls it about a hundred times: no Python kernel per call), with :func:`kernels.transposed`'s
+    results: the tiled kernel where it applies, torch's copy elsewhere, a fresh output for a
+    [1, K] input, and torch's copy under ``DTQ_DISABLE_KERNELS``."""
+    assert kernels.available("cuda")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("dtq::transposed_codes", "CUDA")
+    op = torch.ops.dtq.transposed_codes.default
+    g = torch.Generator(device="cuda").manual_seed(5)
+    codes = torch.randint(0, 256, (1040, 2064), dtype=torch.uint8, device="cuda", generator=g)
+    unaligned = codes.view(-1)[1 : 1 + 32 * 32].view(32, 32)
+    cases = [codes.view(torch.float8_e4m3fn), codes[:, 16:48], unaligned, codes[:40, :33], codes[:1, :64]]
+    cases.append(codes[:32, :40].float())
+    for disabled in ("", "1"):
+        monkeypatch.setenv("DTQ_DISABLE_KERNELS", disabled)
+        for x in cases:
+            out = op(x)
+            assert out.dtype == x.dtype and out.is_contiguous() and out.shape == (x.shape[1], x.shape[0])
+            assert torch.equal(
+                out.view(torch.uint8) if out.element_size() == 1 else out,
+                (x.view(torch.uint8) if x.element_size() == 1 else x).t().contiguous(),
+            )
+            assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
