@@ -1,11 +1,16 @@
-"""Where the example trainer's step time goes on the host: runs ``launch/train.py`` (same
-arguments) under cProfile and prints the functions with the most time per training step, so a
-host-bound step (GPU idle between kernels) shows what to cut.
+"""Where the example trainer's step time goes: runs ``launch/train.py`` (same arguments) under
+cProfile and prints the functions with the most time per training step, so a host-bound step
+(GPU idle between kernels) shows what to cut.
 
     python bench/profile_train.py --top 40 -- --config launch/configs/llama300m.toml --recipe fp8 \\
         --set train.steps=20 --out-dir /tmp/prof
 
 Profiling slows Python code about twofold; read the rows relative to each other.
+
+``--torch-profiler 25:30``: torch's profiler (host and GPU) over steps 25 to 29 instead, printing
+the wall time per step, then the ops and kernels by GPU time and by host time (what
+``bench/results/swiglu_kernels_h200/prof-*.txt`` holds). A step whose
+``cudaStreamSynchronize`` waits little is bound by host time.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import cProfile
 import pathlib
 import pstats
 import sys
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -24,11 +30,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--dump", default="", help="also write the raw pstats here")
+    p.add_argument("--torch-profiler", default="", metavar="START:END", help="torch's profiler over these steps")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: launch/train.py's arguments")
     args = p.parse_args()
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     from dtq.launch import train
 
+    if args.torch_profiler:
+        start, end = (int(s) for s in args.torch_profiler.split(":"))
+        profile_steps(start, end, args.top)
+        train.main(train_args)
+        return
     prof = cProfile.Profile()
     prof.enable()
     train.main(train_args)
@@ -39,6 +51,39 @@ def main() -> None:
     for key in ("cumulative", "tottime"):
         print(f"\n=== by {key}")
         stats.sort_stats(key).print_stats(args.top)
+
+
+def profile_steps(start: int, end: int, top: int) -> None:
+    """Wrap the trainer's per-step learning-rate call (the first thing each step does) so that
+    torch's profiler runs from step ``start`` until step ``end`` begins."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from dtq.launch import optim
+
+    set_lr, state = optim.set_lr, {"step": 0}
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+
+    def counted(opt, lr):
+        state["step"] += 1
+        if state["step"] == start:
+            sync()
+            state["prof"] = profile(activities=activities)
+            state["prof"].__enter__()
+            state["t0"] = time.perf_counter()
+        elif state["step"] == end and "prof" in state:
+            sync()
+            wall = (time.perf_counter() - state["t0"]) / (end - start)
+            state["prof"].__exit__(None, None, None)
+            events = state["prof"].key_averages()
+            print(f"== torch profiler, steps {start}-{end - 1}: wall {wall * 1e3:.1f} ms/step")
+            for key in ("self_device_time_total", "self_cpu_time_total")[0 if cuda else 1 :]:
+                print(events.table(sort_by=key, row_limit=top, max_name_column_width=90))
+        return set_lr(opt, lr)
+
+    optim.set_lr = counted
 
 
 if __name__ == "__main__":
