@@ -1,7 +1,10 @@
-// CUDA kernels of dtq's torch.library ops (the ops and their CPU kernels are defined in Python,
-// dtq/_library.py), registered when this library loads. A compiled step calls some ops about a
-// hundred times; through a Python kernel each call costs tens of microseconds of host time on the
-// GPU machines, through this one the dispatcher's C++ call alone.
+// CUDA kernels of dtq's torch.library ops (defined in Python, dtq/kernels through dtq/_library.py,
+// with a Python kernel for every device), registered when this library loads: for CUDA tensors
+// the dispatcher then picks these. A compiled step calls some ops about a hundred times; through
+// a Python kernel each call costs tens of microseconds of host time on the GPU machines, through
+// this one the dispatcher's C++ call alone. No compute-capability check: the library is built for
+// sm_90 and loaded once a device is sm_90 or later, so a host that also has older GPUs would reach
+// the sm_90 kernel from a graph compiled for one of those (not supported).
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 

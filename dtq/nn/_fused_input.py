@@ -8,8 +8,8 @@ stored precision (a bitcast round trip: inductor would otherwise feed its unroun
 intermediate into the cast). A codec without that form, a symbolic shape, a GPU older than
 sm_89 or a tensor that comes out of another dtq kernel (the ops' ``fuse`` False: SwiGLU's h and
 its input's gradient, which nothing fuses into, and whose codes dtq's one-pass kernel writes in
-both layouts from one read) keeps the op (the decomposition returns ``NotImplemented``); backends
-other than inductor keep it too.
+both layouts from one read, where that kernel runs) keeps the op (the decomposition returns
+``NotImplemented``); backends other than inductor keep it too.
 
 The GEMMs of a planned call on a high-precision weight likewise (``dtq::linear``'s forward and
 ``dtq::linear_backward``), where every GEMM path is torch's own ops on the payloads
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from dtq import _bits
+from dtq import _bits, kernels
 from dtq._library import forward_op
 from dtq.nn import _ops
 
@@ -120,7 +120,7 @@ def _linear_backward(dy, saved, weight, w_fields, wkey, handle, key, need_dgrad,
 
 
 def _quantize_input(x, x_amax, key, need_dgrad, need_wgrad, out_features, w_dtype, fuse):
-    if not (fuse and _static(x)):
+    if not (_static(x) and (fuse or not _kernel_quantizes(x))):
         return NotImplemented
     with _untraced():
         plan = _ops._input_plan(x, key, need_dgrad, need_wgrad, out_features, w_dtype)
@@ -128,11 +128,18 @@ def _quantize_input(x, x_amax, key, need_dgrad, need_wgrad, out_features, w_dtyp
 
 
 def _quantize_grad(dy, dy_amax, key, need_dgrad, need_wgrad, x_shape, x_dtype, w_dtype, fuse):
-    if not (fuse and _static(dy) and all(isinstance(s, int) for s in x_shape)):
+    if not (_static(dy) and all(isinstance(s, int) for s in x_shape) and (fuse or not _kernel_quantizes(dy))):
         return NotImplemented
     with _untraced():
         plan = _ops._grad_plan(dy, key, need_dgrad, need_wgrad, x_shape, x_dtype, w_dtype)
     return _traced_payloads(plan.qg.q, plan.g_layout, dy, dy_amax)
+
+
+def _kernel_quantizes(t: torch.Tensor) -> bool:
+    """Whether the op itself would quantize ``t`` with dtq's one-pass kernel (the reason a call
+    passes ``fuse`` False); without the kernels the op would run the references' torch ops one
+    by one, where the decomposition still gives inductor's fused kernels (the same bits)."""
+    return t.device.type == "cuda" and kernels.available(t.device)
 
 
 def _static(t: torch.Tensor) -> bool:

@@ -449,8 +449,9 @@ def test_byte_transpose_falls_back_where_the_kernel_does_not_apply():
 def test_the_transposed_codes_op_runs_a_cpp_kernel_on_cuda(monkeypatch):
     """``dtq::transposed_codes`` on CUDA tensors is the C++ kernel of csrc/ops.cpp (a compiled step
     calls it about a hundred times: no Python kernel per call), with :func:`kernels.transposed`'s
-    results: the tiled kernel where it applies, torch's copy elsewhere, a fresh output for a
-    [1, K] input, and torch's copy under ``DTQ_DISABLE_KERNELS``."""
+    results: the tiled kernel where it applies (and not under ``DTQ_DISABLE_KERNELS``: the
+    profiler sees which kernel ran), torch's copy elsewhere, a fresh output for a [1, K] or empty
+    input."""
     assert kernels.available("cuda")
     assert torch._C._dispatch_has_kernel_for_dispatch_key("dtq::transposed_codes", "CUDA")
     op = torch.ops.dtq.transposed_codes.default
@@ -458,9 +459,14 @@ def test_the_transposed_codes_op_runs_a_cpp_kernel_on_cuda(monkeypatch):
     codes = torch.randint(0, 256, (1040, 2064), dtype=torch.uint8, device="cuda", generator=g)
     unaligned = codes.view(-1)[1 : 1 + 32 * 32].view(32, 32)
     cases = [codes.view(torch.float8_e4m3fn), codes[:, 16:48], unaligned, codes[:40, :33], codes[:1, :64]]
-    cases.append(codes[:32, :40].float())
+    cases += [codes[:32, :40].float(), codes[:0, :32], codes[:0, :33]]
     for disabled in ("", "1"):
         monkeypatch.setenv("DTQ_DISABLE_KERNELS", disabled)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            op(cases[0])
+            torch.cuda.synchronize()
+        ran = any("transpose_u8_kernel" in e.name for e in prof.events())
+        assert ran == (not disabled), prof.key_averages().table()
         for x in cases:
             out = op(x)
             assert out.dtype == x.dtype and out.is_contiguous() and out.shape == (x.shape[1], x.shape[0])

@@ -440,3 +440,37 @@ def test_compiled_layernorm_mlp_quantizes_the_swiglu_tensors_with_dtq_kernels(de
         assert text.count("torch.ops.dtq.quantize_input.default(") == 1, text
         assert text.count("torch.ops.dtq.quantize_grad.default(") == 1, text
         assert "torch.ops.dtq.swiglu_backward_amax.default(" in text
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_gradient_summed_into_the_swiglu_gradient_is_not_handed_its_amax(backend):
+    """fc1's output also feeds another op, so autograd sums two gradients for it (the eager backend
+    adds the second into the SwiGLU's gradient in place: the same tensor, a new version). The
+    amax the SwiGLU kernel offered is then not dy's: fc1's backward reduces dy itself, and the
+    compiled gradients are eager's (an earlier handoff matched on the tensor alone and was off by
+    hundreds)."""
+    from dtq.nn.functional import AmaxLink
+
+    r = dtq.Float8CurrentScaling()
+
+    def make():
+        torch.manual_seed(3)
+        return dtq.nn.Linear(64, 128, bias=False, params_dtype=torch.bfloat16, name="fc1")
+
+    def loss(model, x):
+        h = model(x)
+        aux = 100 * h.float().sum()  # (first: its gradient reaches h second)
+        return aux + swiglu(h, link=AmaxLink()).float().sum()
+
+    def step(model, fn):
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).requires_grad_()
+        with dtq.autocast(r):
+            fn(model, x).backward()
+        return [x.grad, model.weight.grad]
+
+    eager, compiled = make(), make()
+    want = step(eager, loss)
+    got = step(compiled, torch.compile(loss, backend=backend, fullgraph=True))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
