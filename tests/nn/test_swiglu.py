@@ -343,6 +343,31 @@ def test_layernorm_mlp_link_is_bitwise_the_unlinked_composition(recipe):
         torch.testing.assert_close(got[name], ref[name], rtol=0, atol=0, equal_nan=True, msg=name)
 
 
+def _mlp(device: str) -> dtq.nn.LayerNormMLP:
+    torch.manual_seed(3)
+    kw = {"params_dtype": torch.bfloat16, "device": device, "name": "mlp", "bias": False}
+    return dtq.nn.LayerNormMLP(256, 512, normalization="RMSNorm", activation="swiglu", **kw)
+
+
+def _mlp_step(model, recipe, device: str) -> list[torch.Tensor]:
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(4)).to(device, torch.bfloat16)
+    x.requires_grad_(True)
+    with dtq.autocast(recipe):
+        y = model(x)
+    y.float().square().sum().backward()
+    return [y.detach(), x.grad, *(p.grad for p in model.parameters())]
+
+
+def _compiled_mlp_equals_eager(recipe, device: str, backend) -> None:
+    """Two steps of a SwiGLU ``LayerNormMLP`` compiled with ``backend`` (fullgraph) give the eager
+    model's bits (twice: delayed scaling's histories advance alike)."""
+    eager, compiled = _mlp(device), _mlp(device)
+    compiled_fn = torch.compile(compiled, backend=backend, fullgraph=True)
+    for _ in range(2):
+        for a, b in zip(_mlp_step(compiled_fn, recipe, device), _mlp_step(eager, recipe, device)):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_kernels)])
 @pytest.mark.parametrize("recipe", ["fp8", "fp8_delayed"])
@@ -356,27 +381,8 @@ def test_compiled_layernorm_mlp_takes_max_h_from_the_swiglu_op(recipe, device):
 
     from tests._recipe_matrix import RECIPES
 
-    r = RECIPES[recipe]()
-    kw = {"params_dtype": torch.bfloat16, "device": device, "name": "mlp", "bias": False}
-
-    def make():
-        torch.manual_seed(3)
-        return dtq.nn.LayerNormMLP(256, 512, normalization="RMSNorm", activation="swiglu", **kw)
-
-    def step(model):
-        x = torch.randn(64, 256, generator=torch.Generator().manual_seed(4)).to(device, torch.bfloat16)
-        x.requires_grad_(True)
-        with dtq.autocast(r):
-            y = model(x)
-        y.float().square().sum().backward()
-        return [y.detach(), x.grad, *(p.grad for p in model.parameters())]
-
     backend = AotEagerAndRecordGraphs()
-    eager, compiled = make(), make()
-    compiled_fn = torch.compile(compiled, backend=backend, fullgraph=True)
-    for _ in range(2):  # (delayed scaling: its histories advance alike)
-        for a, b in zip(step(compiled_fn), step(eager)):
-            assert torch.equal(a, b)
+    _compiled_mlp_equals_eager(RECIPES[recipe](), device, backend)
     forward = "\n".join(g.code for g in backend.fw_graphs)
     assert ("dtq.swiglu_amax" in forward) == (recipe == "fp8"), forward
     if recipe == "fp8":  # the graph reduces fc1's input only (a row stage, then the rows): h is not reduced
@@ -396,26 +402,8 @@ def test_compiled_layernorm_mlp_quantizes_the_swiglu_tensors_with_dtq_kernels(de
     from torch._dynamo.testing import AotEagerAndRecordGraphs
 
     r = dtq.Float8CurrentScaling()
-    kw = {"params_dtype": torch.bfloat16, "device": device, "name": "mlp", "bias": False}
-
-    def make():
-        torch.manual_seed(3)
-        return dtq.nn.LayerNormMLP(256, 512, normalization="RMSNorm", activation="swiglu", **kw)
-
-    def step(model):
-        x = torch.randn(64, 256, generator=torch.Generator().manual_seed(4)).to(device, torch.bfloat16)
-        x.requires_grad_(True)
-        with dtq.autocast(r):
-            y = model(x)
-        y.float().square().sum().backward()
-        return [y.detach(), x.grad, *(p.grad for p in model.parameters())]
-
     backend = AotEagerAndRecordGraphs()
-    eager, compiled = make(), make()
-    compiled_fn = torch.compile(compiled, backend=backend, fullgraph=True)
-    for _ in range(2):
-        for a, b in zip(step(compiled_fn), step(eager)):
-            assert torch.equal(a, b)
+    _compiled_mlp_equals_eager(r, device, backend)
     (fw,), (bw,) = backend.fw_graphs, backend.bw_graphs
 
     def calls(graph, op):
@@ -435,7 +423,7 @@ def test_compiled_layernorm_mlp_quantizes_the_swiglu_tensors_with_dtq_kernels(de
         from torch._inductor.utils import run_and_get_code
 
         torch._dynamo.reset()
-        _, code = run_and_get_code(step, torch.compile(make(), fullgraph=True))
+        _, code = run_and_get_code(_mlp_step, torch.compile(_mlp(device), fullgraph=True), r, device)
         text = "".join(code)
         assert text.count("torch.ops.dtq.quantize_input.default(") == 1, text
         assert text.count("torch.ops.dtq.quantize_grad.default(") == 1, text
