@@ -24,6 +24,8 @@ bodies per GEMM (and their dispatch) out of the step. A bias gradient keeps the 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from dtq import _bits, kernels
@@ -95,8 +97,8 @@ def _linear(x, weight, w_fields, wkey, bias, x_amax, x_payloads, *rest):
         )
         if not plan.traceable(bias is not None):
             return NotImplemented
-    args = (handle, key, need_dgrad, need_wgrad, no_grad_trainable, recompute_only)
-    w_payloads = _ops.planned_weight(weight, list(x.shape), x.dtype, *args)
+    flags = _ops.CallFlags(need_dgrad, need_wgrad, no_grad_trainable, recompute_only, True, x.dtype, weight.dtype)
+    w_payloads = _ops.planned_weight(weight, handle, key, flags.code(), math.prod(x.shape[:-1]))
     y, saved = plan.forward(x, weight, bias, None, share=False, x_payloads=x_payloads, w_payloads=w_payloads)
     return [y, *saved]
 
@@ -119,19 +121,20 @@ def _linear_backward(dy, saved, weight, w_fields, wkey, handle, key, need_dgrad,
     return [g.contiguous() for g in grads if g is not None]
 
 
-def _quantize_input(x, x_amax, key, need_dgrad, need_wgrad, out_features, w_dtype, fuse):
-    if not (_static(x) and (fuse or not _kernel_quantizes(x))):
+def _quantize_input(x, x_amax, key, flags, out_features):
+    if not (_static(x) and (_ops.call_flags(flags).fuse or not _kernel_quantizes(x))):
         return NotImplemented
     with _untraced():
-        plan = _ops._input_plan(x, key, need_dgrad, need_wgrad, out_features, w_dtype)
+        plan = _ops._input_plan(x, key, flags, out_features)
     return _traced_payloads(plan.qx.q, plan.x_layout, x, x_amax)
 
 
-def _quantize_grad(dy, dy_amax, key, need_dgrad, need_wgrad, x_shape, x_dtype, w_dtype, fuse):
-    if not (_static(dy) and all(isinstance(s, int) for s in x_shape) and (fuse or not _kernel_quantizes(dy))):
+def _quantize_grad(dy, dy_amax, key, flags, in_features):
+    fuse = _ops.call_flags(flags).fuse
+    if not (_static(dy) and isinstance(in_features, int) and (fuse or not _kernel_quantizes(dy))):
         return NotImplemented
     with _untraced():
-        plan = _ops._grad_plan(dy, key, need_dgrad, need_wgrad, x_shape, x_dtype, w_dtype)
+        plan = _ops._grad_plan(dy, key, flags, in_features)
     return _traced_payloads(plan.qg.q, plan.g_layout, dy, dy_amax)
 
 

@@ -14,6 +14,8 @@ recompute, the amax reduction, checkpoint regions) is looked up inside the op wh
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from dtq import kernels
@@ -171,6 +173,51 @@ def takes_tensor_amax(key: int, slot: str) -> bool:
     instead of the quantization reading the tensor once more for it."""
     t = template(key)
     return not t.recipe.delayed and (t.sx if slot == "input" else t.sg).takes_tensor_amax()
+
+
+# The dtypes a planned call's flags can name (a fixed table: the code is a graph constant that
+# inductor's caches hand to later processes).
+_FLAG_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+class CallFlags(NamedTuple):
+    """A planned compiled call's constants beside its template key, which the ops called once per
+    GEMM and step (``dtq::planned_weight``, ``quantize_input``, ``quantize_grad``) take as one int
+    (:meth:`code`): torch's dispatch into a Python kernel costs about 0.2 µs per bool and 0.7 µs
+    per dtype or ``list[int]`` argument on the CPU machine (``bench/host_python.py``), ten times
+    that on the GPU hosts, and a compiled 1.07 B step makes about a hundred such calls."""
+
+    need_dgrad: bool
+    need_wgrad: bool
+    no_grad_trainable: bool = False
+    recompute_only: bool = False
+    fuse: bool = True  # (quantize_input / quantize_grad: see quantize_input)
+    x_dtype: torch.dtype = torch.bfloat16
+    w_dtype: torch.dtype = torch.bfloat16
+
+    def code(self) -> int:
+        bits = sum(int(b) << i for i, b in enumerate(self[:5]))
+        for i, dtype in enumerate((self.x_dtype, self.w_dtype)):
+            if dtype not in _FLAG_DTYPES:
+                raise ValueError(
+                    f"dtq: a compiled GEMM call on {dtype} tensors; its planned path takes "
+                    f"{', '.join(map(str, _FLAG_DTYPES))} inputs and weights"
+                )
+            bits |= _FLAG_DTYPES.index(dtype) << (5 + 2 * i)
+        return bits
+
+
+_decoded_flags: dict[int, CallFlags] = {}
+
+
+def call_flags(code: int) -> CallFlags:
+    """The :class:`CallFlags` of ``code`` (decoded once per code)."""
+    flags = _decoded_flags.get(code)
+    if flags is None:
+        bools = [bool(code >> i & 1) for i in range(5)]
+        dtypes = [_FLAG_DTYPES[code >> (5 + 2 * i) & 3] for i in range(2)]
+        flags = _decoded_flags[code] = CallFlags(*bools, *dtypes)
+    return flags
 
 
 _checked_slots: dict = {}  # (id(slots), key) -> slots whose quantizers matched template ``key``'s
@@ -403,8 +450,8 @@ def _backward(ctx, grads):
             dy_amax = handed if handed is not None else stored_amax(dy.detach())
         if quantizes_grad_apart(key):  # in the graph too, where inductor can fuse it (_fused_input)
             x_shape, x_dtype = ctx.args[5:7]
-            args = (key, need_dgrad, need_wgrad, x_shape, x_dtype, weight.dtype, handed is None)
-            dy_payloads = quantize_grad(dy.detach(), dy_amax, *args)
+            flags = CallFlags(need_dgrad, need_wgrad, fuse=handed is None, x_dtype=x_dtype, w_dtype=weight.dtype)
+            dy_payloads = quantize_grad(dy.detach(), dy_amax, key, flags.code(), x_shape[-1])
     out = iter(linear_backward(dy, saved, weight, [], 0, *ctx.args, dy_amax, dy_payloads))
     dx = next(out) if need_dgrad else None
     dw = next(out) if need_wgrad else None
@@ -414,13 +461,12 @@ def _backward(ctx, grads):
     return dx, dw, [], None, db, None, none_x, None, None, None, None, None, None, None
 
 
-def _input_plan(
-    x: torch.Tensor, key: int, need_dgrad: bool, need_wgrad: bool, out_features: int, w_dtype: torch.dtype
-) -> LinearPlan:
-    """The plan of a planned call of template ``key`` on ``x`` whose weight is ``[out_features,
-    x.shape[-1]]`` of ``w_dtype``: its input and gradient quantizations are the module's (the
-    weight's kind changes only the weight's side)."""
-    return _template_plan(key, need_dgrad, need_wgrad, x.shape, x.dtype, x.device, out_features, w_dtype)
+def _input_plan(x: torch.Tensor, key: int, flags: int, out_features: int) -> LinearPlan:
+    """The plan of a planned call of template ``key`` (``flags``: its :class:`CallFlags` code) on
+    ``x`` whose weight is ``[out_features, x.shape[-1]]``: its input and gradient quantizations
+    are the module's (the weight's kind changes only the weight's side)."""
+    f = call_flags(flags)
+    return _template_plan(key, f.need_dgrad, f.need_wgrad, x.shape, x.dtype, x.device, out_features, f.w_dtype)
 
 
 _template_plans: dict = {}
@@ -445,31 +491,25 @@ def _template_plan(key, need_dgrad, need_wgrad, x_shape, x_dtype, device, out_fe
     return plan
 
 
-def _grad_plan(dy, key, need_dgrad, need_wgrad, x_shape, x_dtype, w_dtype) -> LinearPlan:
-    return _template_plan(key, need_dgrad, need_wgrad, x_shape, x_dtype, dy.device, dy.shape[-1], w_dtype)
+def _grad_plan(dy: torch.Tensor, key: int, flags: int, in_features: int) -> LinearPlan:
+    f = call_flags(flags)
+    x_shape = (*dy.shape[:-1], in_features)
+    return _template_plan(key, f.need_dgrad, f.need_wgrad, x_shape, f.x_dtype, dy.device, dy.shape[-1], f.w_dtype)
 
 
 def _quantize_grad_impl(
-    dy: torch.Tensor,
-    dy_amax: torch.Tensor | None,
-    key: int,
-    need_dgrad: bool,
-    need_wgrad: bool,
-    x_shape: list[int],
-    x_dtype: torch.dtype,
-    w_dtype: torch.dtype,
-    fuse: bool,
+    dy: torch.Tensor, dy_amax: torch.Tensor | None, key: int, flags: int, in_features: int
 ) -> list[torch.Tensor]:
-    """dy quantized as a planned call of template ``key`` quantizes it in backward
+    """dy quantized as a planned call of template ``key`` (``flags``: its :class:`CallFlags`
+    code; the weight ``[dy.shape[-1], in_features]``) quantizes it in backward
     (``LinearPlan.g_layout``'s distinct tensors), for ``dtq::linear_backward``'s ``dy_payloads``:
     an op of the backward graph, which inductor decomposes into kernels fused with dy's producer
-    where ``fuse`` (else dtq's one-pass kernel runs: dy comes out of another dtq kernel)."""
-    plan = _grad_plan(dy, key, need_dgrad, need_wgrad, x_shape, x_dtype, w_dtype)
-    return _unaliased(plan.quantize_grad(dy, dy_amax), (dy, dy_amax))
+    where the flags say ``fuse`` (else dtq's one-pass kernel runs: dy comes out of another dtq kernel)."""
+    return _unaliased(_grad_plan(dy, key, flags, in_features).quantize_grad(dy, dy_amax), (dy, dy_amax))
 
 
-def _quantize_grad_fake(dy, dy_amax, key, need_dgrad, need_wgrad, x_shape, x_dtype, w_dtype, fuse):
-    return _grad_plan(dy, key, need_dgrad, need_wgrad, x_shape, x_dtype, w_dtype).empty_grad(dy)
+def _quantize_grad_fake(dy, dy_amax, key, flags, in_features):
+    return _grad_plan(dy, key, flags, in_features).empty_grad(dy)
 
 
 @torch._dynamo.assume_constant_result
@@ -481,29 +521,23 @@ def quantizes_grad_apart(key: int) -> bool:
 
 
 def _quantize_input_impl(
-    x: torch.Tensor,
-    x_amax: torch.Tensor | None,
-    key: int,
-    need_dgrad: bool,
-    need_wgrad: bool,
-    out_features: int,
-    w_dtype: torch.dtype,
-    fuse: bool,
+    x: torch.Tensor, x_amax: torch.Tensor | None, key: int, flags: int, out_features: int
 ) -> list[torch.Tensor]:
-    """x quantized as a planned call of template ``key`` quantizes its input (``LinearPlan.x_layout``'s
+    """x quantized as a planned call of template ``key`` (``flags``: its :class:`CallFlags` code;
+    the weight ``[out_features, x.shape[-1]]``) quantizes its input (``LinearPlan.x_layout``'s
     distinct tensors), for ``dtq::linear``'s ``x_payloads``. Its arguments name no module, so the
     calls of GEMMs that read one x the same way (q, k and v; gate and up) are identical, and
     AOTAutograd's common-subexpression pass runs one of them: x is quantized once, and backward
-    keeps one copy of its columnwise codes, as eager's ``_LastInput`` does. ``fuse``: inductor
-    may decompose it into kernels fused with x's producer (``dtq.nn._fused_input``); False where
-    x comes out of a dtq kernel, which nothing fuses into: dtq's one-pass kernel writes both
-    layouts of the codes from one read, where the decomposition casts and then transposes."""
-    plan = _input_plan(x, key, need_dgrad, need_wgrad, out_features, w_dtype)
-    return _unaliased(plan.quantize_input(x, x_amax), (x, x_amax))
+    keeps one copy of its columnwise codes, as eager's ``_LastInput`` does. ``fuse`` (a flag):
+    inductor may decompose it into kernels fused with x's producer (``dtq.nn._fused_input``);
+    False where x comes out of a dtq kernel, which nothing fuses into: dtq's one-pass kernel
+    writes both layouts of the codes from one read, where the decomposition casts and then
+    transposes."""
+    return _unaliased(_input_plan(x, key, flags, out_features).quantize_input(x, x_amax), (x, x_amax))
 
 
-def _quantize_input_fake(x, x_amax, key, need_dgrad, need_wgrad, out_features, w_dtype, fuse):
-    return _input_plan(x, key, need_dgrad, need_wgrad, out_features, w_dtype).empty_input(x)
+def _quantize_input_fake(x, x_amax, key, flags, out_features):
+    return _input_plan(x, key, flags, out_features).empty_input(x)
 
 
 @torch._dynamo.assume_constant_result
@@ -516,31 +550,26 @@ def quantizes_input_apart(key: int) -> bool:
 
 
 def _planned_weight_impl(
-    weight: torch.Tensor,
-    x_shape: list[int],
-    x_dtype: torch.dtype,
-    handle: GemmHandle,
-    key: int,
-    need_dgrad: bool,
-    need_wgrad: bool,
-    no_grad_trainable: bool,
-    recompute_only: bool,
+    weight: torch.Tensor, handle: GemmHandle, key: int, flags: int, tokens: int
 ) -> list[torch.Tensor]:
     """The run-time part of a planned compiled call whose GEMMs the graph runs itself
     (``dtq.nn._fused_input``'s decomposition of ``dtq::linear``): the call's bookkeeping
     (:func:`_begin`, which a graph must not skip) and its high-precision weight quantized with
-    dtq's kernel as eager quantizes it (``LinearPlan.w_layout``'s distinct tensors)."""
-    _begin(handle, key, no_grad_trainable, recompute_only, True)
-    plan = _weight_plan(weight, x_shape, x_dtype, key, need_dgrad, need_wgrad)
-    return _unaliased(plan.quantize_weight(weight), (weight,))
+    dtq's kernel as eager quantizes it (``LinearPlan.w_layout``'s distinct tensors). ``flags``:
+    the call's :class:`CallFlags` code; ``tokens``: the rows of its input (the weight's plan is
+    that of the 2-D input ``[tokens, weight.shape[1]]``: the same quantization)."""
+    f = call_flags(flags)
+    _begin(handle, key, f.no_grad_trainable, f.recompute_only, True)
+    return _unaliased(_weight_plan(weight, key, f, tokens).quantize_weight(weight), (weight,))
 
 
-def _planned_weight_fake(weight, x_shape, x_dtype, handle, key, need_dgrad, need_wgrad, *_):
-    return _weight_plan(weight, x_shape, x_dtype, key, need_dgrad, need_wgrad).empty_weight(weight.device)
+def _planned_weight_fake(weight, handle, key, flags, tokens):
+    return _weight_plan(weight, key, call_flags(flags), tokens).empty_weight(weight.device)
 
 
-def _weight_plan(weight, x_shape, x_dtype, key, need_dgrad, need_wgrad) -> LinearPlan:
-    return _template_plan(key, need_dgrad, need_wgrad, x_shape, x_dtype, weight.device, weight.shape[0], weight.dtype)
+def _weight_plan(weight: torch.Tensor, key: int, f: CallFlags, tokens: int) -> LinearPlan:
+    x_shape, out_features, dev = (tokens, weight.shape[1]), weight.shape[0], weight.device
+    return _template_plan(key, f.need_dgrad, f.need_wgrad, x_shape, f.x_dtype, dev, out_features, weight.dtype)
 
 
 def _dequantize_weight_impl(

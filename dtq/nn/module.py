@@ -270,9 +270,8 @@ class QuantizedModule(torch.nn.Module):
                 # an op of its own, which names no module: GEMMs reading this x merge it (one
                 # quantization); inductor decomposes it where it can fuse it (_fused_input)
                 _fused_input.register()
-                x_payloads = _ops.quantize_input(
-                    x.detach(), x_amax, key, need_dgrad, need_wgrad, weight.shape[0], weight.dtype, not x_from_kernel
-                )
+                flags = _ops.CallFlags(need_dgrad, need_wgrad, False, False, not x_from_kernel, x.dtype, weight.dtype)
+                x_payloads = _ops.quantize_input(x.detach(), x_amax, key, flags.code(), weight.shape[0])
             outs = _ops.linear(
                 x,
                 weight,

@@ -242,3 +242,23 @@ def test_fsdp2_over_blocks_with_traced_gemms_equals_eager():
     from dtq.testing import spawn
 
     spawn(_fsdp, 2, timeout=600)
+
+
+def test_call_flags_pack_every_combination_into_distinct_codes():
+    """The planned ops' constants travel as one int (``CallFlags.code``, to spare per-argument
+    dispatch time): every combination decodes to itself, no two share a code, and a dtype the
+    table lacks is refused by name."""
+    import itertools
+
+    from dtq.nn._ops import _FLAG_DTYPES, CallFlags, call_flags
+
+    codes = set()
+    for bools in itertools.product((False, True), repeat=5):
+        for dtypes in itertools.product(_FLAG_DTYPES, repeat=2):
+            flags = CallFlags(*bools, *dtypes)
+            code = flags.code()
+            assert call_flags(code) == flags and 0 <= code < 2**63
+            codes.add(code)
+    assert len(codes) == 2**5 * len(_FLAG_DTYPES) ** 2
+    with pytest.raises(ValueError, match="compiled GEMM call on torch.int32 tensors"):
+        CallFlags(True, True, x_dtype=torch.int32).code()

@@ -16,6 +16,7 @@ import torch
 
 import dtq
 from dtq import kernels
+from dtq.nn import _ops
 from dtq.nn.functional import swiglu, swiglu_backward_reference, swiglu_reference
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="needs the CUDA kernels (an sm_90+ GPU)")
@@ -409,12 +410,15 @@ def test_compiled_layernorm_mlp_quantizes_the_swiglu_tensors_with_dtq_kernels(de
     def calls(graph, op):
         return [n for n in graph.graph.nodes if n.target is op]
 
-    (h_quant,) = [n for n in calls(fw, torch.ops.dtq.quantize_input.default) if not n.args[-1]]
+    def fuses(node):  # (the op's flags argument: CallFlags.code)
+        return _ops.call_flags(node.args[3]).fuse
+
+    (h_quant,) = [n for n in calls(fw, torch.ops.dtq.quantize_input.default) if not fuses(n)]
     assert h_quant.args[0].args[0].args[0].target is torch.ops.dtq.swiglu_amax_fw.default  # detach(h)
     (handed,) = calls(bw, torch.ops.dtq.swiglu_backward_amax.default)
     grad_quants = calls(bw, torch.ops.dtq.quantize_grad.default)
-    assert [n.args[-1] for n in grad_quants].count(False) == 1, bw.code
-    (dx_quant,) = [n for n in grad_quants if not n.args[-1]]
+    assert [fuses(n) for n in grad_quants].count(False) == 1, bw.code
+    (dx_quant,) = [n for n in grad_quants if not fuses(n)]
     amax = dx_quant.args[1]
     assert amax.target is operator.getitem and amax.args == (handed, 1), bw.code
     # the one reduction left in backward is fc2's dy (the loss's gradient)
