@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One device call comparing this tree's dtq/ with an earlier commit's on the same lease. Hosts of
+# one machine type differ by up to 2x in host speed between leases (docs/benchmarks.md, "The
+# planned ops' constants as one int"), so only runs of one call compare. Prepare the earlier tree
+# here, then carry it:
+#
+#   bash bench/ab_round.sh --prepare <commit>      # here: writes .ab_base/dtq (git-ignored)
+#   AB="trainer model_step fsdp" bash bench/ab_round.sh   # on the device; carry .ab_base .whl .kcache
+#
+# For each tree in ORDER ("new base new" by default: a first run on a fresh lease has been slow)
+# it runs each of AB:
+#   trainer     launch/train's CONFIG (launch/configs/llama1b_1gpu.toml), RECIPE (fp8), COMPILE
+#               (true), STEPS (30) steps, logging every 10: ms/step per ten steps
+#   model_step  bench/model_step.py at CONFIG's shapes, FP8 compiled, no FSDP2
+#   fsdp        bench/bench_fsdp.py --preset 1b on one rank, dtq FP8 (BF16 gathers) compiled:
+#               ms/step and the host's ms per step
+# and then the trainer once under BF16 for the ratio (BF16=0: not). Every run imports the tree
+# under test (bench/ copied to /tmp, so the checkout's own dtq/ is not on the path) with
+# inductor's caches off: a cached graph would hide a change to a decomposition. Logs in $OUT,
+# named <run>-<tree>-<position in ORDER>.txt; the last lines print every run's figures.
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+if [[ "${1:-}" == "--prepare" ]]; then
+  [[ -n "${2:-}" ]] || { echo "usage: bash bench/ab_round.sh --prepare <commit>" >&2; exit 2; }
+  rm -rf "$ROOT/.ab_base" && mkdir -p "$ROOT/.ab_base"
+  git -C "$ROOT" archive "$2" dtq | tar -x -C "$ROOT/.ab_base" || exit 1
+  git -C "$ROOT" rev-parse --short "$2" > "$ROOT/.ab_base/COMMIT"
+  echo "base $(cat "$ROOT/.ab_base/COMMIT") in .ab_base/dtq: name .ab_base in the device call's carry"
+  exit 0
+fi
+[[ -d "$ROOT/.ab_base/dtq" ]] || { echo "no .ab_base/dtq: run bash bench/ab_round.sh --prepare <commit> here and carry .ab_base" >&2; exit 2; }
+cd "$ROOT" && source bench/device_env.sh
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_FORCE_DISABLE_CACHES=1
+CONFIG=$ROOT/${CONFIG:-launch/configs/llama1b_1gpu.toml}
+SITE=""  # the carried wheels device_env.sh installed, ahead of the tree under test
+[[ ":$PYTHONPATH:" == *":/tmp/site:"* ]] && SITE=/tmp/site:
+rm -rf /tmp/ab_bench && cp -r "$ROOT/bench" /tmp/ab_bench
+echo "base: $(cat "$ROOT/.ab_base/COMMIT"), new: this tree; $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+start=$(date +%s)
+
+run() {  # run <what> <tree> <position> <recipe>
+  local what=$1 tree=$2 pos=$3 recipe=$4 path=$ROOT log
+  [[ $tree == base ]] && path=$ROOT/.ab_base
+  log="$OUT/$what-$tree-$pos.txt"
+  case $what in
+    trainer)
+      (cd /tmp && PYTHONPATH="$SITE$path" python3 -m dtq.launch.train --config "$CONFIG" --recipe "$recipe" \
+        --set train.steps="${STEPS:-30}" --set train.log_every=10 --set train.eval_every=0 \
+        --set train.checkpoint_every=0 --set train.compile="${COMPILE:-true}" \
+        --out-dir "/tmp/ab_run_${what}_${tree}_${pos}_${recipe}" --overwrite > "$log" 2>&1) ;;
+    model_step)
+      (cd /tmp && PYTHONPATH="$SITE$path" python3 /tmp/ab_bench/model_step.py --config "$CONFIG" fp8c > "$log" 2>&1) ;;
+    fsdp)
+      (cd /tmp && PYTHONPATH="$SITE$path" torchrun --standalone --nproc-per-node 1 /tmp/ab_bench/bench_fsdp.py \
+        --preset 1b --backward-thread caller --modes "dtq fp8 (bf16 gather) compiled" > "$log" 2>&1) ;;
+    *) echo "unknown AB entry $what (trainer, model_step, fsdp)" >&2; return 2 ;;
+  esac
+  echo "$what $tree ($pos) rc=$? after $(( $(date +%s) - start )) s"
+}
+
+pos=0
+for tree in ${ORDER:-new base new}; do
+  pos=$((pos + 1))
+  for what in ${AB:-trainer}; do
+    run "$what" "$tree" "$pos" "${RECIPE:-fp8}"
+  done
+done
+[[ "${BF16:-1}" != 0 && " ${AB:-trainer} " == *" trainer "* ]] && run trainer new bf16 bf16
+echo "== figures"
+for f in "$OUT"/trainer-*.txt "$OUT"/model_step-*.txt "$OUT"/fsdp-*.txt; do
+  [[ -f $f ]] || continue
+  echo "$(basename "$f" .txt): $(grep -hoE '[0-9,.]+ ms/step( wall)?|host ms by rank [0-9.]+' "$f" | tr '\n' ' ')"
+done
