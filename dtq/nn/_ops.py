@@ -175,9 +175,16 @@ def takes_tensor_amax(key: int, slot: str) -> bool:
     return not t.recipe.delayed and (t.sx if slot == "input" else t.sg).takes_tensor_amax()
 
 
-# The dtypes a planned call's flags can name (a fixed table: the code is a graph constant that
-# inductor's caches hand to later processes).
-_FLAG_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+# The dtypes a planned call's flags can name, at fixed places (the code is a graph constant that
+# inductor's caches hand to later processes; a name this torch lacks keeps its place): the GEMMs'
+# own and any other a caller may hand a module (an integer input runs as it does eagerly).
+_FLAG_DTYPE_NAMES = (
+    "bfloat16", "float16", "float32", "float64", "uint8", "int8", "int16", "int32", "int64", "bool",
+    "complex32", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+    "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2", "uint16", "uint32", "uint64",
+)  # fmt: skip
+_FLAG_DTYPES = tuple(getattr(torch, n, None) for n in _FLAG_DTYPE_NAMES)
+_DTYPE_BITS = 5
 
 
 class CallFlags(NamedTuple):
@@ -198,12 +205,12 @@ class CallFlags(NamedTuple):
     def code(self) -> int:
         bits = sum(int(b) << i for i, b in enumerate(self[:5]))
         for i, dtype in enumerate((self.x_dtype, self.w_dtype)):
-            if dtype not in _FLAG_DTYPES:
+            if dtype is None or dtype not in _FLAG_DTYPES:
                 raise ValueError(
-                    f"dtq: a compiled GEMM call on {dtype} tensors; its planned path takes "
-                    f"{', '.join(map(str, _FLAG_DTYPES))} inputs and weights"
+                    f"dtq: a compiled GEMM call on {dtype} tensors, a dtype dtq's compiled ops cannot name; "
+                    "give the module floating-point inputs and weights (bfloat16, float16, float32)"
                 )
-            bits |= _FLAG_DTYPES.index(dtype) << (5 + 2 * i)
+            bits |= _FLAG_DTYPES.index(dtype) << (5 + _DTYPE_BITS * i)
         return bits
 
 
@@ -215,7 +222,8 @@ def call_flags(code: int) -> CallFlags:
     flags = _decoded_flags.get(code)
     if flags is None:
         bools = [bool(code >> i & 1) for i in range(5)]
-        dtypes = [_FLAG_DTYPES[code >> (5 + 2 * i) & 3] for i in range(2)]
+        mask = (1 << _DTYPE_BITS) - 1
+        dtypes = [_FLAG_DTYPES[code >> (5 + _DTYPE_BITS * i) & mask] for i in range(2)]
         flags = _decoded_flags[code] = CallFlags(*bools, *dtypes)
     return flags
 

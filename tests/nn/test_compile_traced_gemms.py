@@ -255,13 +255,27 @@ def test_call_flags_pack_every_combination_into_distinct_codes():
 
     from dtq.nn._ops import _FLAG_DTYPES, CallFlags, call_flags
 
+    dtypes = [d for d in _FLAG_DTYPES if d is not None]
     codes = set()
     for bools in itertools.product((False, True), repeat=5):
-        for dtypes in itertools.product(_FLAG_DTYPES, repeat=2):
-            flags = CallFlags(*bools, *dtypes)
+        for pair in itertools.product(dtypes, repeat=2):
+            flags = CallFlags(*bools, *pair)
             code = flags.code()
             assert call_flags(code) == flags and 0 <= code < 2**63
             codes.add(code)
-    assert len(codes) == 2**5 * len(_FLAG_DTYPES) ** 2
-    with pytest.raises(ValueError, match="compiled GEMM call on torch.int32 tensors"):
-        CallFlags(True, True, x_dtype=torch.int32).code()
+    assert len(codes) == 2**5 * len(dtypes) ** 2
+    with pytest.raises(ValueError, match="compiled GEMM call on torch.uint4 tensors"):
+        CallFlags(True, True, x_dtype=torch.uint4).code()
+
+
+def test_a_compiled_call_on_an_integer_input_runs_as_eagerly():
+    """A dtype beside the GEMMs' own (an int32 input, which eager dtq.nn.Linear takes) still
+    compiles: the flags name every dtype a caller may hand a module (it was refused while their
+    table held the four float dtypes only)."""
+    m = dtq.nn.Linear(H, H, params_dtype=torch.bfloat16)
+    x = torch.arange(4 * H, dtype=torch.int32).reshape(4, H) % 7 - 3
+    r = dtq.Float8CurrentScaling()
+    with dtq.autocast(r):
+        want = m(x)
+        got = torch.compile(m, fullgraph=True, backend="aot_eager")(x)
+    assert got.dtype == want.dtype and torch.equal(got.view(torch.int16), want.view(torch.int16))
