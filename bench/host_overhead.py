@@ -22,6 +22,7 @@ import dtq
 import dtq.nn.module as nn_module
 from dtq import kernels
 from dtq.gemm import Operand, mm
+from dtq.nn import linear_native
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a smoke run of the script (references, not speed)
 
@@ -84,7 +85,8 @@ def main() -> None:
     p.add_argument(
         "--variants",
         action="store_true",
-        help="also each dtq row through the general (unplanned) GEMM path, and every row with backward "
+        help="also each dtq row through the general (unplanned) GEMM path and through a plan run in Python "
+        "(not dtq.nn.linear_native's C++ function), and every row with backward "
         "run on the calling thread (torch.autograd.set_multithreading_enabled(False))",
     )
     args = p.parse_args()
@@ -143,6 +145,14 @@ def main() -> None:
                 us = host_us(step, args.n)
                 nn_module.plan_for = real
                 label = f"dtq.nn.Linear {name} bias={bias} general"
+                print(f"  {label:36s} {us:8.1f} us  {us / ref:5.2f}x", flush=True)
+                # the planned call in Python (a fresh module: a plan takes the native function or
+                # not when it is made, at the first call)
+                linear_native.enabled = False
+                py_layer = dtq.nn.Linear(n, n, bias=bias, params_dtype=torch.bfloat16, device=DEV)
+                us = host_us(linear_step(py_layer, xg, recipe), args.n)
+                linear_native.enabled = True
+                label = f"dtq.nn.Linear {name} bias={bias} python plan"
                 print(f"  {label:36s} {us:8.1f} us  {us / ref:5.2f}x", flush=True)
         if args.variants:  # the backward of a Python autograd.Function on autograd's device thread
             with torch.autograd.set_multithreading_enabled(False):

@@ -286,6 +286,24 @@ void amax(const at::Tensor& x, const at::Tensor& out, bool want_x, int64_t signs
   }
 }
 
+// max|x| into one fp32 CUDA value (its bit pattern, as amax writes out[0]), zeroed here: the
+// tensor-wide amax of one per-tensor quantization without amax's int32[2] and its views (host time
+// of csrc/linear.cpp's calls).
+void amax_x(const at::Tensor& x, const at::Tensor& out) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "dtq kernels: x must be a contiguous 2-D CUDA tensor");
+  TORCH_CHECK(out.is_cuda() && out.scalar_type() == at::kFloat && out.numel() == 1, "dtq kernels: amax_x out is one fp32");
+  const c10::cuda::CUDAGuard guard(x.device());
+  uint32_t* o = reinterpret_cast<uint32_t*>(out.data_ptr());
+  C10_CUDA_CHECK(cudaMemsetAsync(o, 0, sizeof(uint32_t), c10::cuda::getCurrentCUDAStream()));
+  if (x.numel() == 0) return;
+  switch (x.scalar_type()) {
+    case at::kFloat: launch<float>(x, o, true, -1); break;
+    case at::kBFloat16: launch<__nv_bfloat16>(x, o, true, -1); break;
+    case at::kHalf: launch<__half>(x, o, true, -1); break;
+    default: TORCH_CHECK(false, "dtq kernels: unsupported input dtype ", x.scalar_type());
+  }
+}
+
 // hist: the fp32 history (at most kMaxHistory entries), updated in place. x (a contiguous 2-D CUDA
 // tensor): its max|x| is the new entry; else cur (fp32, one element) is. Returns {amax, new entry}.
 std::vector<at::Tensor> delayed_amax(const c10::optional<at::Tensor>& x, const c10::optional<at::Tensor>& cur,

@@ -20,4 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("transposed_u8", &dtq::transposed_u8, "Contiguous [K, M] copy of a 1-byte [M, K] matrix, allocated");
   m.def("scale_cast", &dtq::scale_cast, "((out * fa) * fb).to(dtype) of an fp32 GEMM output in one pass");
   m.def("inverse_scale", &dtq::inverse_scale, "1 / min(fmax / amax, FLT_MAX) per amax (1 where amax is not finite and > 0)");
+  m.def("register_linear", &dtq::register_linear,
+        "Id of a planned FP8 per-tensor GEMM call described as dtq/nn/linear_native.py writes it");
+  m.def("native_linear", &dtq::native_linear,
+        "y of a registered planned call, its forward and backward one C++ autograd function (linear.cpp)");
 }

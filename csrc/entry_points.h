@@ -12,6 +12,7 @@ bool quantize_fused(const at::Tensor& x, const std::vector<int64_t>& cfg_a, cons
                     const std::vector<at::Tensor>& outs_b, const c10::optional<at::Tensor>& amax_b,
                     const c10::optional<at::Tensor>& seed);
 void amax(const at::Tensor& x, const at::Tensor& out, bool want_x, int64_t signs);
+void amax_x(const at::Tensor& x, const at::Tensor& out);
 std::vector<at::Tensor> delayed_amax(const c10::optional<at::Tensor>& x, const c10::optional<at::Tensor>& cur,
                                      const at::Tensor& hist, int64_t skip, bool most_recent, double factor);
 void axis_amax(const at::Tensor& x, const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& cols);
@@ -30,4 +31,7 @@ std::vector<at::Tensor> quantize_alloc(const at::Tensor& x, const std::vector<in
                                        const std::vector<int64_t>& fields_b, const c10::optional<at::Tensor>& amax_b,
                                        int64_t mode_b, int64_t signs, const c10::optional<at::Tensor>& seed);
 at::Tensor transposed_u8(const at::Tensor& in);
+int64_t register_linear(const std::vector<int64_t>& description);
+at::Tensor native_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w_data,
+                         const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& x_amax, int64_t id);
 }  // namespace dtq

@@ -55,6 +55,7 @@ SOURCES = (
     "epilogue.cu",
     "quantize_alloc.cpp",
     "ops.cpp",
+    "linear.cpp",
 )
 # fp32 arithmetic must stay exactly the references': no FMA contraction, no fast math. No -std:
 # torch's extension builder adds the standard its headers need (C++17 on torch 2.11, C++20 on 2.13

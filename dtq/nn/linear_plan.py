@@ -33,6 +33,7 @@ from dtq.codec import (
 )
 from dtq.formats import COLUMNWISE, ROWWISE
 from dtq.gemm import Operand, bind, select, transposed_reads
+from dtq.nn import linear_native
 from dtq.nn._linear_fn import check_weight_columnwise, once_differentiable_lean
 from dtq.nn.slot import tensor_amax_directions
 from dtq.tensor import QUANTIZED
@@ -74,6 +75,7 @@ class LinearPlan:
         "fprop_bias",
         "dgrad",
         "wgrad",
+        "native",
     )
 
     def __init__(self, call: GemmCall, x_shape: torch.Size, x_dtype: torch.dtype, dev: torch.device, wl):
@@ -124,6 +126,17 @@ class LinearPlan:
         # bias is added before the one rounding); plans of a slots template serve modules with
         # and without one (a compiled graph's)
         self.fprop = self.fprop_bias = self.dgrad = self.wgrad = None
+        # the kernel library's id of this plan where its C++ autograd function runs it (eager)
+        self.native = linear_native.native_id(self) if dev.type == "cuda" else None
+
+    def fprop_fast_accum(self) -> bool:
+        """Whether fprop accumulates fast: the recipe asks for it and fprop's path has it (as
+        :meth:`_bind_forward` binds it)."""
+        if not self.call.slots.recipe.fprop_fast_accumulation:
+            return False
+        x_op = _meta_operand(self.call.slots.sx.quantizer, ROWWISE, self.x2d, self.x_dtype, self.device)
+        w_op = _meta_operand(self.w_quantizer, ROWWISE, self.w2d, self.w_dtype, self.device, transpose=True)
+        return select(x_op, w_op, self.x_dtype).fast_accum
 
     def _transposed_columnwise(self, dev: torch.device) -> tuple[bool, bool, bool]:
         """Whether x's, the weight's and dy's columnwise codes should also be written transposed by

@@ -11,7 +11,7 @@ from dtq._torch_private import in_backward
 from dtq._warn import warn_once
 from dtq.autocast import active_amax_sync, active_recipe
 from dtq.distributed import tp
-from dtq.nn import _fused_input, _ops
+from dtq.nn import _fused_input, _ops, linear_native
 from dtq.nn._linear_fn import DequantizeWeight, LinearFn, WeightData
 from dtq.nn.gemm_state import GemmCall, GemmHandle, GemmSlots, GemmState, template_key
 from dtq.nn.linear_plan import PlannedLinearFn, plan_for
@@ -321,6 +321,10 @@ class QuantizedModule(torch.nn.Module):
             # other fields than the general path, e.g. FP8 codes [K, M]); plannable slots compute
             # the same either way (no amax history to replay).
             if sync is None and slots.plannable and (plan := plan_for(call, x, weight)) is not None:
+                if plan.native is not None and link is None:
+                    y = linear_native.run(plan, x, weight, bias, x_amax)
+                    if y is not None:
+                        return y
                 return PlannedLinearFn.apply(x, weight, bias, plan, x_amax, link)
             return LinearFn.apply(x, weight, bias, x_amax, call)
         group = layout.mesh.get_group()

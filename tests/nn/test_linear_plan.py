@@ -165,8 +165,9 @@ class _SharedInput(torch.nn.Module):
 def test_gemms_reading_one_input_quantize_it_once(name, write, device, monkeypatch):
     """One quantization of x serves q, k and v (the general path's bits, one quantize call, one
     saved copy of x's columnwise codes); a write into x between two of them quantizes again."""
-    from dtq.nn import linear_plan
+    from dtq.nn import linear_native, linear_plan
 
+    monkeypatch.setattr(linear_native, "enabled", False)  # the Python plan's (the C++ one's: test_native_linear.py)
     recipe = recipe_from_name(name)
     torch.manual_seed(0)
     module = dtq.convert(_SharedInput(write, device))

@@ -1,0 +1,101 @@
+"""Planned FP8 per-tensor calls as one C++ autograd function (``csrc/linear.cpp``).
+
+A planned call (:mod:`dtq.nn.linear_plan`) still runs a Python ``autograd.Function``: its
+forward's Python around three launches, and a backward node that autograd's worker thread runs
+under the GIL. On a small GEMM that is most of the step's host time. Where a plan's every launch
+and GEMM is one the C++ function runs the same way (FP8 per-tensor codes from the fused kernel,
+``[K, M]`` codes written by that launch for dgrad and wgrad, ``torch._scaled_mm`` for all three
+GEMMs), the plan is described to the kernel library once (:func:`native_id`) and each call is one
+crossing into it (:func:`run`). The C++ side runs ``LinearPlan.forward`` / ``backward``'s own
+sequence of launches, GEMMs and casts, so the bits are the planned Python path's
+(``tests/kernels/test_native_linear.py``). Anything else keeps the Python path."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from dtq import kernels
+from dtq.formats import COLUMNWISE, ROWWISE
+from dtq.weights import HighPrecisionWeight
+
+if TYPE_CHECKING:
+    from dtq.codec import QuantizePlan
+    from dtq.nn.linear_plan import LinearPlan
+
+# Off: every plan keeps the Python path (the tests compare the two; a plan decides when it is made).
+enabled = True
+
+_WEIGHT_TYPES = (torch.Tensor, torch.nn.Parameter, HighPrecisionWeight)
+
+
+def native_id(plan: LinearPlan) -> int | None:
+    """The kernel library's id of ``plan`` (registered now), or None where the C++ function would
+    not run what the Python plan runs."""
+    if not enabled or plan.device.type != "cuda" or plan.quantized_weight or plan.qw is None:
+        return None
+    if not (plan.traceable(False) and plan.traceable(True)):  # fp8_tensorwise_scaled_mm, [K, M] codes
+        return None
+    call = plan.call
+    x = _launch_ints(plan.qx, plan.x2d, plan.x_dtype, plan.device, plan.x_known)
+    w = _launch_ints(plan.qw, plan.w2d, plan.w_dtype, plan.device, ())
+    g = _launch_ints(plan.qg, plan.g2d, plan.x_dtype, plan.device, ()) if plan.qg is not None else [0]
+    if x is None or w is None or g is None:
+        return None
+    # which GEMMs the C++ backward runs follows from which codes the launches write
+    has_t = lambda ints: ints[0] == 1 and ints[8] >= 0  # noqa: E731 (data_t's position)
+    has_rows = lambda ints: ints[0] == 1 and ints[6] >= 0  # noqa: E731
+    if has_t(x) != call.need_wgrad or has_t(g) != call.need_wgrad or has_t(w) != call.need_dgrad:
+        return None
+    if call.need_dgrad and not has_rows(g):
+        return None
+    return kernels.extension().register_linear([int(plan.fprop_fast_accum()), *x, *w, *g])
+
+
+def _launch_ints(
+    qp: QuantizePlan, shape: tuple[int, int], dtype: torch.dtype, device: torch.device, known: tuple[str, ...]
+) -> list[int] | None:
+    """One quantize plan as ``csrc/linear.cpp`` reads it: ``[1, mode_a, given_a, mode_b, given_b,
+    signs, data, scale, data_t, scale_t]`` then the two slots' config and field lists, each
+    preceded by its length; None where the plan is not one launch of FP8 per-tensor codes (with
+    the columnwise codes written ``[K, M]`` by it, where wanted). ``known``: the directions whose
+    amax a producer's max|x| stands for."""
+    launch = qp.launch
+    if launch is None or qp.derived is not None or qp.reference or qp.torch_amax or qp.uses_rng or launch.stochastic:
+        return None
+    rows = dict(zip(launch.names[0], range(len(launch.names[0]))))
+    if launch.dirs[0] != ROWWISE or set(rows) != {"data", "scale_inv"}:
+        return None
+    row = qp.empty(shape, torch.device("meta"), dtype)[ROWWISE]
+    if row["scale_inv"].shape != () or row["scale_inv"].dtype != torch.float32:
+        return None  # (what torch._scaled_mm takes as it is, per-tensor)
+    data_t = scale_t = -1
+    if COLUMNWISE in qp.directions:
+        if not qp.transposed or launch.names[1] != ("data_t",):
+            return None
+        data_t, scale_t = len(rows), rows["scale_inv"]  # the columnwise payload shares the rowwise scale
+    # a transposed launch's two slots both read the rowwise amax where one is given (_call_transposed)
+    given = [ROWWISE in known, len(launch.dirs) > 1 and ROWWISE in known]
+    head = [1, launch.modes[0], int(given[0]), launch.modes[1], int(given[1]), launch.signs]
+    out = head + [rows["data"], rows["scale_inv"], data_t, scale_t]
+    for cfg, fields in zip(launch.cfgs, launch.fields):
+        out += [len(cfg), *cfg, len(fields), *fields]
+    return out
+
+
+def run(
+    plan: LinearPlan, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x_amax: torch.Tensor | None
+) -> torch.Tensor | None:
+    """``y`` of the planned call through the C++ function, or None where this call must take the
+    Python path (a weight of another kind, a producer's amax that is not the 0-dim fp32 tensor
+    the launch reads: the Python path then checks it and says what is wrong)."""
+    if type(weight) not in _WEIGHT_TYPES:
+        return None
+    if x_amax is not None:
+        if not plan.x_known:
+            x_amax = None  # (the Python path ignores it too)
+        elif x_amax.dim() or x_amax.dtype != torch.float32 or x_amax.device != x.device:
+            return None
+    w_data = weight._data if type(weight) is HighPrecisionWeight else weight
+    return kernels.extension().native_linear(x, weight, w_data, bias, x_amax, plan.native)
