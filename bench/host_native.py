@@ -14,6 +14,7 @@ import time
 
 import torch
 import torch.nn as nn
+from host_overhead import linear_step
 
 import dtq
 from dtq import kernels
@@ -40,18 +41,6 @@ def host_us(fn, iters=args.n):
         best = min(best, (time.perf_counter() - t0) / iters * 1e6)
         torch.cuda.synchronize()
     return best
-
-
-def step_of(layer, recipe):
-    def step():
-        with dtq.autocast(recipe, enabled=recipe is not None):
-            y = layer(x)
-        y.backward(torch.ones_like(y))
-        for p in layer.parameters():
-            p.grad = None
-        x.grad = None
-
-    return step
 
 
 def fwd_of(layer, recipe):
@@ -92,9 +81,9 @@ xs = x.detach()
 s = torch.ones((), device="cuda")
 x8 = xs.to(torch.float8_e4m3fn)
 rows = {
-    "torch.nn.Linear": step_of(ref, None),
-    "dtq fp8 (HighPrecisionWeight)": step_of(hp, r),
-    "dtq fp8 (plain Parameter)": step_of(plain, r),
+    "torch.nn.Linear": linear_step(ref, x, None),
+    "dtq fp8 (HighPrecisionWeight)": linear_step(hp, x, r),
+    "dtq fp8 (plain Parameter)": linear_step(plain, x, r),
     "ext.native_linear direct": direct,
     "fwd: torch.nn.Linear": fwd_of(ref, None),
     "fwd: dtq fp8": fwd_of(hp, r),

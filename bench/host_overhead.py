@@ -148,10 +148,10 @@ def main() -> None:
                 print(f"  {label:36s} {us:8.1f} us  {us / ref:5.2f}x", flush=True)
                 # the planned call in Python (a fresh module: a plan takes the native function or
                 # not when it is made, at the first call)
-                linear_native.enabled = False
+                was, linear_native.enabled = linear_native.enabled, False
                 py_layer = dtq.nn.Linear(n, n, bias=bias, params_dtype=torch.bfloat16, device=DEV)
                 us = host_us(linear_step(py_layer, xg, recipe), args.n)
-                linear_native.enabled = True
+                linear_native.enabled = was
                 label = f"dtq.nn.Linear {name} bias={bias} python plan"
                 print(f"  {label:36s} {us:8.1f} us  {us / ref:5.2f}x", flush=True)
         if args.variants:  # the backward of a Python autograd.Function on autograd's device thread

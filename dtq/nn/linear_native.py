@@ -44,13 +44,19 @@ def native_id(plan: LinearPlan) -> int | None:
     if x is None or w is None or g is None:
         return None
     # which GEMMs the C++ backward runs follows from which codes the launches write
-    has_t = lambda ints: ints[0] == 1 and ints[8] >= 0  # noqa: E731 (data_t's position)
-    has_rows = lambda ints: ints[0] == 1 and ints[6] >= 0  # noqa: E731
-    if has_t(x) != call.need_wgrad or has_t(g) != call.need_wgrad or has_t(w) != call.need_dgrad:
+    if _writes(x, _DATA_T) != call.need_wgrad or _writes(g, _DATA_T) != call.need_wgrad:
         return None
-    if call.need_dgrad and not has_rows(g):
+    if _writes(w, _DATA_T) != call.need_dgrad or (call.need_dgrad and not _writes(g, _DATA)):
         return None
     return kernels.extension().register_linear([int(plan.fprop_fast_accum()), *x, *w, *g])
+
+
+_DATA, _DATA_T = 6, 8  # where _launch_ints puts the positions of the [M, K] and [K, M] codes
+
+
+def _writes(ints: list[int], field: int) -> bool:
+    """Whether the launch ``ints`` describes writes the codes at ``field`` (_DATA or _DATA_T)."""
+    return ints[0] == 1 and ints[field] >= 0
 
 
 def _launch_ints(
