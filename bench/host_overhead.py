@@ -147,7 +147,7 @@ def main() -> None:
                 label = f"dtq.nn.Linear {name} bias={bias} general"
                 print(f"  {label:36s} {us:8.1f} us  {us / ref:5.2f}x", flush=True)
                 # the planned call in Python (a fresh module: a plan takes the native function or
-                # not when it is made, at the first call)
+                # not at its first eager call)
                 was, linear_native.enabled = linear_native.enabled, False
                 py_layer = dtq.nn.Linear(n, n, bias=bias, params_dtype=torch.bfloat16, device=DEV)
                 us = host_us(linear_step(py_layer, xg, recipe), args.n)

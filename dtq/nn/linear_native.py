@@ -18,16 +18,24 @@ import torch
 
 from dtq import kernels
 from dtq.formats import COLUMNWISE, ROWWISE
+from dtq.nn.linear_plan import NATIVE_UNDECIDED, LinearPlan
 from dtq.weights import HighPrecisionWeight
 
 if TYPE_CHECKING:
     from dtq.codec import QuantizePlan
-    from dtq.nn.linear_plan import LinearPlan
 
-# Off: every plan keeps the Python path (the tests compare the two; a plan decides when it is made).
+# Off: plans keep the Python path (the tests compare the two; a plan decides at its first eager call).
 enabled = True
 
 _WEIGHT_TYPES = (torch.Tensor, torch.nn.Parameter, HighPrecisionWeight)
+
+
+def native_of(plan: LinearPlan) -> int | None:
+    """``plan.native``, decided (and registered) at the plan's first eager call."""
+    native = plan.native
+    if native == NATIVE_UNDECIDED:
+        native = plan.native = native_id(plan)
+    return native
 
 
 def native_id(plan: LinearPlan) -> int | None:
@@ -95,8 +103,10 @@ def run(
 ) -> torch.Tensor | None:
     """``y`` of the planned call through the C++ function, or None where this call must take the
     Python path (a weight of another kind, a producer's amax that is not the 0-dim fp32 tensor
-    the launch reads: the Python path then checks it and says what is wrong)."""
-    if type(weight) not in _WEIGHT_TYPES:
+    the launch reads: the Python path then checks it and says what is wrong), or a plan the C++
+    function does not run."""
+    native = native_of(plan)
+    if native is None or type(weight) not in _WEIGHT_TYPES:
         return None
     if x_amax is not None:
         if not plan.x_known:
@@ -104,4 +114,4 @@ def run(
         elif x_amax.dim() or x_amax.dtype != torch.float32 or x_amax.device != x.device:
             return None
     w_data = weight._data if type(weight) is HighPrecisionWeight else weight
-    return kernels.extension().native_linear(x, weight, w_data, bias, x_amax, plan.native)
+    return kernels.extension().native_linear(x, weight, w_data, bias, x_amax, native)

@@ -33,7 +33,6 @@ from dtq.codec import (
 )
 from dtq.formats import COLUMNWISE, ROWWISE
 from dtq.gemm import Operand, bind, select, transposed_reads
-from dtq.nn import linear_native
 from dtq.nn._linear_fn import check_weight_columnwise, once_differentiable_lean
 from dtq.nn.slot import tensor_amax_directions
 from dtq.tensor import QUANTIZED
@@ -42,6 +41,7 @@ if TYPE_CHECKING:
     from dtq.nn.gemm_state import GemmCall
 
 _unsafe_view = torch.ops.aten._unsafe_view.default
+NATIVE_UNDECIDED = -1  # LinearPlan.native before its first eager call
 
 
 class LinearPlan:
@@ -126,8 +126,10 @@ class LinearPlan:
         # bias is added before the one rounding); plans of a slots template serve modules with
         # and without one (a compiled graph's)
         self.fprop = self.fprop_bias = self.dgrad = self.wgrad = None
-        # the kernel library's id of this plan where its C++ autograd function runs it (eager)
-        self.native = linear_native.native_id(self) if dev.type == "cuda" else None
+        # the kernel library's id of this plan where its C++ autograd function runs it eagerly,
+        # None where the Python path runs it: decided at its first eager call
+        # (dtq.nn.linear_native.native_of), not where a compiled graph traces it
+        self.native: int | None = NATIVE_UNDECIDED
 
     def fprop_fast_accum(self) -> bool:
         """Whether fprop accumulates fast: the recipe asks for it and fprop's path has it (as

@@ -321,10 +321,8 @@ class QuantizedModule(torch.nn.Module):
             # other fields than the general path, e.g. FP8 codes [K, M]); plannable slots compute
             # the same either way (no amax history to replay).
             if sync is None and slots.plannable and (plan := plan_for(call, x, weight)) is not None:
-                if plan.native is not None and link is None:
-                    y = linear_native.run(plan, x, weight, bias, x_amax)
-                    if y is not None:
-                        return y
+                if link is None and (y := linear_native.run(plan, x, weight, bias, x_amax)) is not None:
+                    return y
                 return PlannedLinearFn.apply(x, weight, bias, plan, x_amax, link)
             return LinearFn.apply(x, weight, bias, x_amax, call)
         group = layout.mesh.get_group()

@@ -214,7 +214,7 @@ def test_a_new_input_is_quantized_anew(monkeypatch):
                     x.mul_(2)  # (a write: its version moves)
                 y = layer(x)
             with monkeypatch.context() as m:
-                m.setattr(linear_native, "enabled", False)  # (checked when a plan is made: at this first call)
+                m.setattr(linear_native, "enabled", False)  # (a plan decides at its first eager call: this one)
                 want = python(x.detach())
         assert torch.equal(_bits(y), _bits(want))
         y.float().sum().backward()

@@ -81,7 +81,7 @@ def _outputs(qp) -> list[str]:
 def test_a_plan_with_both_gradients_is_described_as_its_python_forward_runs_it(fast, x_shape, monkeypatch):
     recipe = dataclasses.replace(dtq.Float8CurrentScaling(), fprop_fast_accumulation=fast)
     plan, registered = _plan(monkeypatch, recipe, True, True, x_shape=x_shape)
-    assert plan.native == 0 and len(registered) == 1
+    assert linear_native.native_of(plan) == 0 and len(registered) == 1
     got_fast, (x, w, g) = _read(registered[0])
     assert got_fast == fast == plan.fprop_fast_accum()
     for launch, qp in ((x, plan.qx), (w, plan.qw), (g, plan.qg)):
@@ -106,11 +106,13 @@ def test_a_plan_with_both_gradients_is_described_as_its_python_forward_runs_it(f
 
 def test_dgrad_only_and_no_gradient_describe_only_the_codes_they_read(monkeypatch):
     plan, registered = _plan(monkeypatch, dtq.Float8CurrentScaling(), True, False)
+    linear_native.native_of(plan)
     _, (x, w, g) = _read(registered[0])
     assert x["data_t"] == -1 and g["data_t"] == -1  # no wgrad: no [K, M] codes of x or dy
     assert w["data_t"] >= 0 and g["data"] >= 0  # dgrad: dy's rows and the weight's [K, M] codes
     assert plan.x_fields == () and plan.w_fields == ("data_t", "scale_inv")
     plan, registered = _plan(monkeypatch, dtq.Float8CurrentScaling(), False, False)
+    linear_native.native_of(plan)
     _, (x, w, g) = _read(registered[0])
     assert g is None and x["data_t"] == w["data_t"] == -1
 
@@ -118,16 +120,16 @@ def test_dgrad_only_and_no_gradient_describe_only_the_codes_they_read(monkeypatc
 @pytest.mark.parametrize("name", ["mxfp8", "fp8-block", "fp8-row", "hybrid", "nvfp4"])
 def test_plans_of_other_formats_keep_the_python_path(name, monkeypatch):
     plan, registered = _plan(monkeypatch, recipe_from_name(name), True, True)
-    assert plan.native is None and not registered
+    assert linear_native.native_of(plan) is None and not registered
 
 
 def test_wgrad_alone_keeps_the_python_path(monkeypatch):
     # dy's columnwise codes alone come [M, N] from their launch: wgrad would transpose them
     plan, registered = _plan(monkeypatch, dtq.Float8CurrentScaling(), False, True)
-    assert plan.native is None and not registered
+    assert linear_native.native_of(plan) is None and not registered
 
 
 def test_plans_made_while_it_is_off_keep_the_python_path(monkeypatch):
     monkeypatch.setattr(linear_native, "enabled", False)
     plan, registered = _plan(monkeypatch, dtq.Float8CurrentScaling(), True, True)
-    assert plan.native is None and not registered
+    assert linear_native.native_of(plan) is None and not registered
