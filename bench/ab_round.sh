@@ -17,7 +17,9 @@
 # and then the trainer once under BF16 for the ratio (BF16=0: not). Every run imports the tree
 # under test (bench/ copied to /tmp, so the checkout's own dtq/ is not on the path) with
 # inductor's caches off: a cached graph would hide a change to a decomposition. Logs in $OUT,
-# named <run>-<tree>-<position in ORDER>.txt; the last lines print every run's figures.
+# named <run>-<tree>-<position in ORDER>.txt; the last lines print every trainer run's losses (all
+# digits, from its metrics.jsonl: the GPU trainer is not bitwise repeatable run to run, so compare
+# trees over repeated runs, ORDER="new new base base") and every run's figures.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 if [[ "${1:-}" == "--prepare" ]]; then
@@ -66,6 +68,14 @@ for tree in ${ORDER:-new base new}; do
   done
 done
 [[ "${BF16:-1}" != 0 && " ${AB:-trainer} " == *" trainer "* ]] && run trainer new bf16 bf16
+echo "== losses (the trainer's train records in metrics.jsonl, every digit: the trees' bits where the run repeats)"
+for d in /tmp/ab_run_trainer_*; do
+  [[ -f $d/metrics.jsonl ]] || continue
+  echo "$(basename "$d"): $(python3 -c '
+import json, sys
+print(" ".join(str(r["step"]) + ":" + repr(r["loss"]) for r in map(json.loads, open(sys.argv[1])) if r.get("kind") == "train"))
+' "$d/metrics.jsonl")"
+done
 echo "== figures"
 for f in "$OUT"/trainer-*.txt "$OUT"/model_step-*.txt "$OUT"/fsdp-*.txt; do
   [[ -f $f ]] || continue
