@@ -13,19 +13,11 @@ from torch.utils.checkpoint import checkpoint
 import dtq
 from dtq import kernels
 from dtq.nn import linear_native, linear_plan
-from tests.nn.test_linear_plan import _SharedInput
+from tests.nn.test_linear_plan import _bits, _same, _SharedInput
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or not kernels.available("cuda"), reason="the kernel library and FP8 GEMMs"
 )
-
-
-def _bits(t):
-    return None if t is None else t.detach().contiguous().view(torch.uint8)
-
-
-def _same(a: list, b: list) -> bool:
-    return all(u is None and v is None or torch.equal(u, v) for u, v in zip(a, b, strict=True))
 
 
 def _native_ran(y: torch.Tensor) -> bool:
