@@ -19,6 +19,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 
@@ -584,6 +585,18 @@ void launch(const at::Tensor& x, const SlotCfg& a, const SlotCfg& b, int vec_ok)
 
 // Returns false, launching nothing, where only the generic kernel applies and it lacks an option
 // (four-over-six 16 x 16 NVFP4 blocks): the caller runs the reference.
+// Whether a device is sm_90 or later (dtq/kernels available()'s capability test), asked per op
+// call by csrc/ops.cpp: the answer is kept per device index.
+bool sm90_or_later(int device) {
+  static std::atomic<int8_t> known[64] = {};  // 0 unknown, 1 yes, 2 no
+  const int8_t k = device >= 0 && device < 64 ? known[device].load(std::memory_order_relaxed) : 0;
+  if (k != 0) return k == 1;
+  int major = 0;
+  const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
+  if (device >= 0 && device < 64) known[device].store(ok ? 1 : 2, std::memory_order_relaxed);
+  return ok;
+}
+
 bool quantize_fused(const at::Tensor& x, const std::vector<int64_t>& cfg_a, const std::vector<at::Tensor>& outs_a,
                     const c10::optional<at::Tensor>& amax_a, const std::vector<int64_t>& cfg_b,
                     const std::vector<at::Tensor>& outs_b, const c10::optional<at::Tensor>& amax_b,

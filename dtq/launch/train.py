@@ -209,7 +209,7 @@ def evaluate(model, val: data.ByteWindows, cfg: config_mod.Config, recipe, devic
     for i in range(cfg.train.eval_batches):
         x, y = val.batch((i * world + rank) * b, b)
         with quantized(recipe):
-            total += lm_loss(model, x.to(device), y.to(device))
+            total += lm_loss(model, *data.to_device((x, y), device))
     collective.run(dist.all_reduce, total)  # the tp ranks of a replica hold the same loss: average over all
     model.train()
     return total.item() / (dist.get_world_size() * cfg.train.eval_batches)
@@ -347,7 +347,7 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto", 
             lr = optim.lr_at(step, tc)
             optim.set_lr(opt, lr)
             x, y = train_data.batch(samples + dp_rank * b, b)  # this replica's slice of the global batch
-            x, y = x.to(device), y.to(device)
+            x, y = data.to_device((x, y), device)
             with quantized(recipe), activation_memory(tc, device):
                 loss = lm_loss(model, x, y)
             run_backward(loss, tc.backward_thread)

@@ -201,6 +201,9 @@ def _swiglu_amax_grad(ctx, grads):
     return dx, None  # (max|h| takes no gradient)
 
 
+# The ops compiled graphs call (swiglu_fw, swiglu_amax_fw, swiglu_backward, swiglu_backward_amax)
+# have C++ CUDA kernels too (csrc/ops.cpp, registered when the kernel library loads): two calls per
+# LayerNormMLP and step, without a Python kernel; these Python kernels then run for other devices.
 _swiglu_backward_op = define("swiglu_backward", _swiglu_backward_impl, _swiglu_backward_fake)
 _swiglu_backward_amax_op = define("swiglu_backward_amax", _swiglu_backward_amax_impl, _swiglu_backward_amax_fake)
 _swiglu_op = define("swiglu", _swiglu_impl, _swiglu_fake, backward=_swiglu_grad, setup_context=_swiglu_setup)

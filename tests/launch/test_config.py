@@ -162,6 +162,32 @@ def test_data_order_is_resumable_and_ranks_read_disjoint_samples():
     assert not torch.equal(a.batch(a.count, 4)[0], a.batch(0, 4)[0])  # a new epoch, a new order
 
 
+def test_batches_reach_the_device_as_their_values():
+    """``data.to_device`` (the trainer's batch copy) gives the batch's values, contiguous, on the
+    device; its point on a GPU, not waiting for the stream, is tested there with the stream's
+    synchronisation check (below)."""
+    rows = torch.arange(3 * 9).reshape(3, 9)
+    x, y = rows[:, :-1], rows[:, 1:]  # the strided views ByteWindows.batch returns
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out = data.to_device((x, y), dev)
+    assert [t.device.type for t in out] == [dev.type] * 2
+    assert torch.equal(out[0].cpu(), x) and torch.equal(out[1].cpu(), y)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_batch_copy_does_not_wait_for_the_previous_step():
+    """A pageable ``.to("cuda")`` synchronizes the stream: every step would start after the previous
+    one ended, with an empty launch queue (the FP8 trainer step is host-bound on the GPU machines)."""
+    rows = torch.arange(4 * 65).reshape(4, 65)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        x, y = data.to_device((rows[:, :-1], rows[:, 1:]), torch.device("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(x.cpu(), rows[:, :-1]) and torch.equal(y.cpu(), rows[:, 1:])
+
+
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
     tc = config.TrainConfig(steps=20, lr=1.0, warmup_steps=4, min_lr_ratio=0.1)
     assert [optim.lr_at(s, tc) for s in (1, 4)] == [0.25, 1.0]

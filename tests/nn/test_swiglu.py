@@ -249,6 +249,54 @@ def test_kernel_amax_is_the_max_over_every_block(dtype):
         assert amax == out.abs().max().float()
 
 
+_OPS = ("swiglu_fw", "swiglu_amax_fw", "swiglu_backward", "swiglu_backward_amax")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("disabled", ["", "1"])
+def test_the_swiglu_ops_run_cpp_kernels_on_cuda(dtype, disabled, monkeypatch):
+    """The SwiGLU ops compiled graphs call (two per ``LayerNormMLP`` and step) have C++ CUDA
+    kernels (csrc/ops.cpp: no Python kernel per call) with their Python kernels' results: dtq's
+    kernel's bits and amaxes, fresh outputs, and where the kernel does not apply (float64,
+    ``DTQ_DISABLE_KERNELS``) the Python kernel itself, so the reference's bits; the profiler sees
+    which ran."""
+    from dtq.nn import functional as fn
+
+    assert all(torch._C._dispatch_has_kernel_for_dispatch_key(f"dtq::{op}", "CUDA") for op in _OPS)
+    monkeypatch.setenv("DTQ_DISABLE_KERNELS", disabled)
+    torch.manual_seed(11)
+    x = (torch.randn(2, 40, 2 * 96, device="cuda") * 3).to(dtype)[:, :33]  # strided: the op copies
+    dh = torch.randn(2, 33, 96, device="cuda").to(dtype)
+    ops = torch.ops.dtq
+    python = {
+        "swiglu_fw": lambda: fn._swiglu_impl(x, 32),
+        "swiglu_amax_fw": lambda: fn._swiglu_amax_impl(x, 32),
+        "swiglu_backward": lambda: fn._swiglu_backward_impl(dh, x, 32),
+        "swiglu_backward_amax": lambda: fn._swiglu_backward_amax_impl(dh, x, 32),
+    }
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        got = {
+            "swiglu_fw": ops.swiglu_fw(x, 32),
+            "swiglu_amax_fw": ops.swiglu_amax_fw(x, 32),
+            "swiglu_backward": ops.swiglu_backward(dh, x, 32),
+            "swiglu_backward_amax": ops.swiglu_backward_amax(dh, x, 32),
+        }
+        torch.cuda.synchronize()
+    kernel_ran = any("swiglu_" in e.name and "kernel" in e.name for e in prof.events())
+    assert kernel_ran == (not disabled and dtype != torch.float64), prof.key_averages().table()
+    h_ref, dx_ref = swiglu_reference(x, 32), swiglu_backward_reference(dh, x, 32)
+    for name, out in got.items():
+        want = python[name]()
+        outs, wants = (out, want) if isinstance(out, list) else ([out], [want])
+        assert len(outs) == len(wants) == (2 if name.endswith("amax_fw") or name.endswith("_amax") else 1)
+        for o, w in zip(outs, wants):
+            assert o.shape == w.shape and o.dtype == w.dtype and o.is_contiguous()
+            _assert_bits(o, w)
+            assert not any(o.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in (x, dh))
+        _assert_bits(outs[0], h_ref if "backward" not in name else dx_ref)
+
+
 def test_double_backward_and_float64():
     """create_graph takes the reference's differentiable ops; float64 is computed in float64."""
     x = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
