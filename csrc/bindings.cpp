@@ -24,4 +24,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Id of a planned FP8 per-tensor GEMM call described as dtq/nn/linear_native.py writes it");
   m.def("native_linear", &dtq::native_linear,
         "y of a registered planned call, its forward and backward one C++ autograd function (linear.cpp)");
+  m.def("native_quantize", &dtq::native_quantize,
+        "x, the weight or dy quantized by one launch of a registered planned call (the compiled path's ops)");
 }

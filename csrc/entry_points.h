@@ -35,4 +35,6 @@ bool sm90_or_later(int device);
 int64_t register_linear(const std::vector<int64_t>& description);
 at::Tensor native_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w_data,
                          const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& x_amax, int64_t id);
+std::vector<at::Tensor> native_quantize(const at::Tensor& t, const c10::optional<at::Tensor>& known, int64_t id,
+                                        int64_t which);
 }  // namespace dtq

@@ -194,6 +194,12 @@ std::vector<at::Tensor> input_payloads(const Launch& l, const at::Tensor& x, con
   return outs;
 }
 
+// The weight's launch outputs (LinearPlan.quantize_weight's payloads).
+std::vector<at::Tensor> weight_payloads(const Plan& p, const at::Tensor& w_data) {
+  const at::Tensor w2 = (w_data.dim() == 2 ? w_data : w_data.reshape({-1, w_data.size(-1)})).contiguous();
+  return quantize(p.w, w2, c10::nullopt);
+}
+
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -206,8 +212,7 @@ struct NativeLinear : public torch::autograd::Function<NativeLinear> {
     const int64_t k = x.size(-1), n = w_data.size(0);
     const at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, k});
     const std::vector<at::Tensor> px = input_payloads(p.x, x, x2, x_amax);
-    const at::Tensor w2 = (w_data.dim() == 2 ? w_data : w_data.reshape({-1, w_data.size(-1)})).contiguous();
-    const std::vector<at::Tensor> pw = quantize(p.w, w2, c10::nullopt);
+    const std::vector<at::Tensor> pw = weight_payloads(p, w_data);
     const bool has_bias = bias.has_value() && bias->defined();
     const at::ScalarType x_dtype = x.scalar_type();
     at::Tensor y = at::_scaled_mm(px[p.x.data].contiguous(), pw[p.w.data].contiguous().t(), px[p.x.scale],
@@ -295,6 +300,21 @@ int64_t register_linear(const std::vector<int64_t>& description) {
 at::Tensor native_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w_data,
                          const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& x_amax, int64_t id) {
   return NativeLinear::apply(x, weight, w_data, bias, x_amax, id);
+}
+
+// The compiled path's quantize ops (dtq::quantize_input, planned_weight, quantize_grad) run one
+// launch of a registered plan (which: 0 x, 1 the weight, 2 dy) as its forward / backward runs it:
+// the same launch, the same producer's amax (known: none for the weight), the same outputs. No
+// last-input cache: a graph quantizes an input once by itself (linear_native.payloads orders the
+// outputs as the op returns them).
+std::vector<at::Tensor> native_quantize(const at::Tensor& t, const c10::optional<at::Tensor>& known, int64_t id,
+                                        int64_t which) {
+  const Plan& p = plan_at(id);
+  TORCH_CHECK(which >= 0 && which <= 2, "dtq native linear: no launch ", which);
+  if (which == 1) return weight_payloads(p, t);
+  const Launch& l = which == 0 ? p.x : p.g;
+  TORCH_CHECK(l.present, "dtq native linear: plan ", id, " has no launch ", which);
+  return quantize(l, (t.dim() == 2 ? t : t.reshape({-1, t.size(-1)})).contiguous(), known);
 }
 
 }  // namespace dtq

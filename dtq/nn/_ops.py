@@ -23,7 +23,7 @@ from dtq._bits import stored_amax
 from dtq._library import define, forward_op
 from dtq._torch_private import in_backward
 from dtq.formats import COLUMNWISE, ROWWISE
-from dtq.nn import _handoff
+from dtq.nn import _handoff, linear_native
 from dtq.nn import _linear_fn as lf
 from dtq.nn.gemm_state import GemmCall, GemmHandle, GemmSlots, content_key, template
 from dtq.nn.linear_plan import LinearPlan, shape_plan
@@ -513,7 +513,10 @@ def _quantize_grad_impl(
     (``LinearPlan.g_layout``'s distinct tensors), for ``dtq::linear_backward``'s ``dy_payloads``:
     an op of the backward graph, which inductor decomposes into kernels fused with dy's producer
     where the flags say ``fuse`` (else dtq's one-pass kernel runs: dy comes out of another dtq kernel)."""
-    return _unaliased(_grad_plan(dy, key, flags, in_features).quantize_grad(dy, dy_amax), (dy, dy_amax))
+    plan = _grad_plan(dy, key, flags, in_features)
+    if (native := linear_native.payloads(plan, linear_native.GRAD, dy, dy_amax)) is not None:
+        return native
+    return _unaliased(plan.quantize_grad(dy, dy_amax), (dy, dy_amax))
 
 
 def _quantize_grad_fake(dy, dy_amax, key, flags, in_features):
@@ -541,7 +544,10 @@ def _quantize_input_impl(
     False where x comes out of a dtq kernel, which nothing fuses into: dtq's one-pass kernel
     writes both layouts of the codes from one read, where the decomposition casts and then
     transposes."""
-    return _unaliased(_input_plan(x, key, flags, out_features).quantize_input(x, x_amax), (x, x_amax))
+    plan = _input_plan(x, key, flags, out_features)
+    if (native := linear_native.payloads(plan, linear_native.INPUT, x, x_amax)) is not None:
+        return native
+    return _unaliased(plan.quantize_input(x, x_amax), (x, x_amax))
 
 
 def _quantize_input_fake(x, x_amax, key, flags, out_features):
@@ -568,7 +574,10 @@ def _planned_weight_impl(
     that of the 2-D input ``[tokens, weight.shape[1]]``: the same quantization)."""
     f = call_flags(flags)
     _begin(handle, key, f.no_grad_trainable, f.recompute_only, True)
-    return _unaliased(_weight_plan(weight, key, f, tokens).quantize_weight(weight), (weight,))
+    plan = _weight_plan(weight, key, f, tokens)
+    if (native := linear_native.payloads(plan, linear_native.WEIGHT, weight)) is not None:
+        return native  # (fresh tensors: the launch's outputs)
+    return _unaliased(plan.quantize_weight(weight), (weight,))
 
 
 def _planned_weight_fake(weight, handle, key, flags, tokens):

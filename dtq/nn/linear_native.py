@@ -48,7 +48,7 @@ def native_id(plan: LinearPlan) -> int | None:
     call = plan.call
     x = _launch_ints(plan.qx, plan.x2d, plan.x_dtype, plan.device, plan.x_known)
     w = _launch_ints(plan.qw, plan.w2d, plan.w_dtype, plan.device, ())
-    g = _launch_ints(plan.qg, plan.g2d, plan.x_dtype, plan.device, ()) if plan.qg is not None else [0]
+    g = _launch_ints(plan.qg, plan.g2d, plan.x_dtype, plan.device, plan.g_known) if plan.qg is not None else [0]
     if x is None or w is None or g is None:
         return None
     # which GEMMs the C++ backward runs follows from which codes the launches write
@@ -56,10 +56,36 @@ def native_id(plan: LinearPlan) -> int | None:
         return None
     if _writes(w, _DATA_T) != call.need_dgrad or (call.need_dgrad and not _writes(g, _DATA)):
         return None
-    return kernels.extension().register_linear([int(plan.fprop_fast_accum()), *x, *w, *g])
+    native = kernels.extension().register_linear([int(plan.fprop_fast_accum()), *x, *w, *g])
+    # (identical descriptions: identical payload layouts)
+    layouts = (plan.x_layout, plan.w_layout, plan.g_layout)
+    _OUTPUTS[native] = tuple(_order(ints, layout) for ints, layout in zip((x, w, g), layouts))
+    return native
 
 
-_DATA, _DATA_T = 6, 8  # where _launch_ints puts the positions of the [M, K] and [K, M] codes
+# where _launch_ints puts the positions of the [M, K] codes, their scale and the [K, M] codes
+_DATA, _SCALE, _DATA_T = 6, 7, 8
+# the launches of a registered plan, as native_quantize names them
+INPUT, WEIGHT, GRAD = 0, 1, 2
+# per registered id and launch: its outputs that the compiled path's quantize ops return, in
+# their order (the plan's x_layout / w_layout / g_layout distinct tensors), or None
+_OUTPUTS: dict[int, tuple[tuple[int, ...] | None, ...]] = {}
+
+
+def _order(ints: list[int], layout: tuple) -> tuple[int, ...] | None:
+    """The positions among a launch's outputs (``ints``: its description) of ``layout``'s distinct
+    payload tensors, or None where the launch does not write them all."""
+    if ints[0] != 1:
+        return None
+    at = {"data": ints[_DATA], "scale_inv": ints[_SCALE], "data_t": ints[_DATA_T]}
+    order: dict[int, int] = {}
+    for _, field, i in layout:
+        if at.get(field, -1) < 0:
+            return None
+        order.setdefault(i, at[field])
+    if len(set(order.values())) != len(order):
+        return None  # (distinct payload tensors that would be one output)
+    return tuple(order[i] for i in range(len(order)))
 
 
 def _writes(ints: list[int], field: int) -> bool:
@@ -115,3 +141,27 @@ def run(
             return None
     w_data = weight._data if type(weight) is HighPrecisionWeight else weight
     return kernels.extension().native_linear(x, weight, w_data, bias, x_amax, native)
+
+
+def payloads(
+    plan: LinearPlan, which: int, t: torch.Tensor, known: torch.Tensor | None = None
+) -> list[torch.Tensor] | None:
+    """The compiled path's quantize ops through the kernel library: ``plan.quantize_input(t,
+    known)`` (``which`` INPUT), ``quantize_weight(t)`` (WEIGHT) or ``quantize_grad(t, known)``
+    (GRAD), the same launch with the same bits and outputs. Each is one op call per GEMM and step
+    whose Python (the quantize plan's, and the launch's list arguments) is most of its host time.
+    None where the plan is not one the C++ function runs, or the Python path must look at
+    ``known`` (not the 0-dim fp32 the launch reads: it then says what is wrong)."""
+    native = native_of(plan)
+    if native is None or type(t) is not torch.Tensor:
+        return None
+    order = _OUTPUTS[native][which]
+    if order is None:
+        return None
+    if known is not None:
+        if not (plan.x_known if which == INPUT else plan.g_known if which == GRAD else ()):
+            known = None  # (the Python path ignores it too)
+        elif known.dim() or known.dtype != torch.float32 or known.device != t.device:
+            return None
+    outs = kernels.extension().native_quantize(t, known, native, which)
+    return [outs[i] for i in order]

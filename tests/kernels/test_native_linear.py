@@ -210,3 +210,54 @@ def test_a_new_input_is_quantized_anew(monkeypatch):
                 want = python(x.detach())
         assert torch.equal(_bits(y), _bits(want))
         y.float().sum().backward()
+
+
+def _mlp():
+    torch.manual_seed(0)
+    kw = {"params_dtype": torch.bfloat16, "device": "cuda", "bias": False}
+    return dtq.nn.LayerNormMLP(64, 128, normalization="RMSNorm", activation="swiglu", **kw)
+
+
+@pytest.mark.parametrize(
+    "make, w_grad, launches",
+    [
+        (lambda: _layer(False, torch.bfloat16), True, {linear_native.WEIGHT}),
+        (lambda: _layer(True, torch.bfloat16), False, {linear_native.WEIGHT}),
+        # fc2's input and fc1's gradient come out of the SwiGLU kernels, with their amaxes
+        (_mlp, True, {linear_native.INPUT, linear_native.WEIGHT, linear_native.GRAD}),
+    ],
+    ids=["linear", "linear-bias-frozen", "layernorm-mlp"],
+)
+def test_compiled_quantize_ops_through_the_library_give_the_python_plans_bits(make, w_grad, launches, monkeypatch):
+    """A compiled graph's quantize ops (``dtq::planned_weight``, and ``quantize_input`` /
+    ``quantize_grad`` where their tensors come out of dtq's SwiGLU kernels) run their launches
+    through the kernel library (``linear_native.payloads``) with the Python quantize plans' bits:
+    the compiled step's output and gradients with it and without it."""
+    recipe = dtq.Float8CurrentScaling()
+    x = torch.randn(4, 16, 64, dtype=torch.bfloat16, device="cuda")
+    real = linear_native.payloads
+    results = {}
+    for native in (False, True):
+        took = []
+
+        def spy(plan, which, t, known=None, native=native, took=took):
+            out = real(plan, which, t, known) if native else None
+            took.append((which, out is not None))
+            return out
+
+        with monkeypatch.context() as m:
+            m.setattr(linear_native, "payloads", spy)
+            torch._dynamo.reset()
+            module = make()
+            for p in module.parameters():
+                if p.dim() == 2:
+                    p.requires_grad_(w_grad)
+            compiled = torch.compile(module, fullgraph=True)
+            xc = x.clone().requires_grad_(True)
+            with dtq.autocast(recipe):
+                y = compiled(xc)
+            y.float().pow(2).sum().backward()
+        grads = [_bits(p.grad) for p in module.parameters() if p.grad is not None]
+        results[native] = [_bits(y), _bits(xc.grad), *grads]
+        assert {w for w, _ in took} == launches and all(ok == native for _, ok in took), took
+    assert _same(results[True], results[False])

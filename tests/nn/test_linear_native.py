@@ -52,14 +52,22 @@ def _read(ints: list[int]) -> tuple[bool, list]:
     return fast, launches
 
 
-def _plan(monkeypatch, recipe, need_dgrad: bool, need_wgrad: bool, *, x_shape=(64, 64), w_dtype=torch.bfloat16):
-    """A plan made for a CUDA device, and the descriptions it registered."""
+def _plan(
+    monkeypatch, recipe, need_dgrad: bool, need_wgrad: bool, *, x_shape=(64, 64), w_dtype=torch.bfloat16, calls=None
+):
+    """A plan made for a CUDA device, and the descriptions it registered (``calls``: receives
+    ``(launch, amax)`` of each ``native_quantize`` call)."""
     registered = []
 
     class Library:  # the kernel library's registration, recorded
         def register_linear(self, ints):
             registered.append(list(ints))
             return len(registered) - 1
+
+        def native_quantize(self, t, known, id, which):  # output j of the launch: the value j
+            assert 0 <= id < len(registered)
+            calls.append((which, known))
+            return [torch.tensor(float(j)) for j in range(8)]
 
     monkeypatch.setattr(kernels, "available", lambda device=None: True)
     monkeypatch.setattr(kernels, "capability", lambda device: (9, 0))
@@ -98,10 +106,44 @@ def test_a_plan_with_both_gradients_is_described_as_its_python_forward_runs_it(f
         assert (launch["mode_a"], launch["mode_b"], launch["signs"]) == (*qp.launch.modes, qp.launch.signs)
     # the C++ function saves x's codes and scale, then the weight's: LinearPlan.forward's order
     assert plan.x_fields == plan.w_fields == ("data_t", "scale_inv")
-    # a producer's max|x| stands for both of x's slots (one launch: rowwise and [K, M] codes); the
-    # weight's and dy's amaxes are always their launches' own
-    assert plan.x_known == ("rowwise",)
-    assert (x["given_a"], x["given_b"], w["given_a"], w["given_b"], g["given_a"], g["given_b"]) == (1, 1, 0, 0, 0, 0)
+    # a producer's max|x| (max|dy|: the compiled quantize_grad's) stands for both slots of x's (dy's)
+    # launch (rowwise and [K, M] codes); the weight's amax is always its launch's own
+    assert plan.x_known == plan.g_known == ("rowwise",)
+    assert (x["given_a"], x["given_b"], w["given_a"], w["given_b"], g["given_a"], g["given_b"]) == (1, 1, 0, 0, 1, 1)
+
+
+@pytest.mark.parametrize("grads", [(True, True), (True, False), (False, False)])
+def test_the_compiled_quantize_ops_return_the_launch_outputs_in_their_layouts(grads, monkeypatch):
+    """The compiled path's quantize ops (``quantize_input``, ``planned_weight``, ``quantize_grad``)
+    through the library: each launch's outputs listed as the plan's Python lists the distinct
+    payload tensors (``x_layout``, ``w_layout``, ``g_layout``): rowwise codes, their scale (shared
+    with the [K, M] codes), [K, M] codes where a backward GEMM reads them; a producer's amax passed
+    on where the launch reads one (x and dy, not the weight)."""
+    calls = []
+    plan, registered = _plan(monkeypatch, dtq.Float8CurrentScaling(), *grads, calls=calls)
+    amax = torch.tensor(3.0)
+    cases = [(linear_native.INPUT, plan.qx, plan.x_layout, plan.x_known)]
+    cases.append((linear_native.WEIGHT, plan.qw, plan.w_layout, ()))
+    if plan.qg is not None:
+        cases.append((linear_native.GRAD, plan.qg, plan.g_layout, plan.g_known))
+    for which, qp, layout, known in cases:
+        got = linear_native.payloads(plan, which, torch.empty(64, 64, dtype=torch.bfloat16), amax)
+        first = {}
+        for _, field, i in layout:
+            first.setdefault(i, field)
+        names = _outputs(qp)
+        assert [names[int(t)] for t in got] == [first[i] for i in range(len(first))]
+        expect = {linear_native.INPUT: grads[1], linear_native.WEIGHT: grads[0], linear_native.GRAD: grads[1]}[which]
+        assert [names[int(t)] for t in got] == ["data", "scale_inv", "data_t"][: 3 if expect else 2]
+        assert calls[-1] == (which, amax if known else None)
+    # a tensor of another kind (a graph passes plain tensors), or an amax the launch does not read
+    # as it is, keeps the Python path (which checks it and says what is wrong)
+    weight = torch.nn.Parameter(torch.empty(128, 64, dtype=torch.bfloat16))
+    assert linear_native.payloads(plan, linear_native.WEIGHT, weight) is None
+    x = torch.empty(64, 64, dtype=torch.bfloat16)
+    assert linear_native.payloads(plan, linear_native.INPUT, x, torch.tensor([3.0])) is None
+    assert linear_native.payloads(plan, linear_native.INPUT, x, amax.double()) is None
+    assert len(registered) == 1
 
 
 def test_dgrad_only_and_no_gradient_describe_only_the_codes_they_read(monkeypatch):
