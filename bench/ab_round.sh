@@ -4,8 +4,13 @@
 # planned ops' constants as one int"), so only runs of one call compare. Prepare the earlier tree
 # here, then carry it:
 #
-#   bash bench/ab_round.sh --prepare <commit>      # here: writes .ab_base/dtq (git-ignored)
+#   bash bench/ab_round.sh --prepare <commit>      # here: writes .ab_base/{dtq,csrc} (git-ignored)
 #   AB="trainer model_step fsdp" bash bench/ab_round.sh   # on the device; carry .ab_base .whl .kcache
+#
+# Each tree runs with the kernel library of its own csrc/ (a C++ change then counts for the new
+# tree only): this tree's from .kcache/ or built first; the base's the same one where the sources
+# match, else .ab_base/dtq_kernels.so.xz where .ab_base/csrc.sum names its sources (copy an earlier
+# call's keep_kernels output there), else built in the call (2-3 minutes).
 #
 # For each tree in ORDER ("new base new" by default: a first run on a fresh lease has been slow)
 # it runs each of AB:
@@ -25,7 +30,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 if [[ "${1:-}" == "--prepare" ]]; then
   [[ -n "${2:-}" ]] || { echo "usage: bash bench/ab_round.sh --prepare <commit>" >&2; exit 2; }
   rm -rf "$ROOT/.ab_base" && mkdir -p "$ROOT/.ab_base"
-  git -C "$ROOT" archive "$2" dtq | tar -x -C "$ROOT/.ab_base" || exit 1
+  git -C "$ROOT" archive "$2" dtq csrc | tar -x -C "$ROOT/.ab_base" || exit 1
   git -C "$ROOT" rev-parse --short "$2" > "$ROOT/.ab_base/COMMIT"
   echo "base $(cat "$ROOT/.ab_base/COMMIT") in .ab_base/dtq: name .ab_base in the device call's carry"
   exit 0
@@ -37,23 +42,48 @@ CONFIG=$ROOT/${CONFIG:-launch/configs/llama1b_1gpu.toml}
 SITE=""  # the carried wheels device_env.sh installed, ahead of the tree under test
 [[ ":$PYTHONPATH:" == *":/tmp/site:"* ]] && SITE=/tmp/site:
 rm -rf /tmp/ab_bench && cp -r "$ROOT/bench" /tmp/ab_bench
+# each tree's kernel library (see the top)
+if [[ -z "${DTQ_KERNEL_LIBRARY:-}" ]]; then  # this tree's library, built once for all its runs
+  (cd "$ROOT" && python3 -m dtq.kernels build > "$OUT/kernels_build.txt" 2>&1) || {
+    echo "this tree's kernel library did not build: $OUT/kernels_build.txt" >&2; exit 1; }
+  keep_kernels
+  DTQ_KERNEL_LIBRARY=$(ls "$(cd "$ROOT" && python3 -c 'from dtq import kernels; print(kernels.build_dir())')"/dtq_kernels*.so | head -1)
+  export DTQ_KERNEL_LIBRARY
+fi
+BASE_SO=""
+_base_sum=$(find "$ROOT/.ab_base/csrc" -maxdepth 1 -type f \( -name '*.cu' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.h' \) \
+  2>/dev/null | LC_ALL=C sort | xargs -r cat | sha256sum | cut -c1-16)
+if [[ ! -d "$ROOT/.ab_base/csrc" ]]; then
+  echo "kernels: .ab_base has no csrc/ (prepared by an older ab_round.sh): both trees use this tree's library"
+elif [[ "$_base_sum" == "$_csrc_sum" ]]; then
+  echo "kernels: the base's csrc/ is this tree's: one library"
+elif [[ -f "$ROOT/.ab_base/dtq_kernels.so.xz" && "$(cat "$ROOT/.ab_base/csrc.sum" 2>/dev/null)" == "$_base_sum" ]]; then
+  xz -dkf "$ROOT/.ab_base/dtq_kernels.so.xz" && BASE_SO=$ROOT/.ab_base/dtq_kernels.so
+  echo "kernels: the base's carried library (csrc sum $_base_sum)"
+else
+  echo "kernels: building the base's library from .ab_base/csrc (sum $_base_sum)"
+  (cd /tmp && DTQ_KERNEL_BUILD_DIR=/tmp/ab_base_kernels PYTHONPATH="$ROOT/.ab_base" python3 -m dtq.kernels build \
+    > "$OUT/base_kernels_build.txt" 2>&1)
+  BASE_SO=$(ls /tmp/ab_base_kernels/dtq_kernels*.so 2>/dev/null | head -1)
+  [[ -n "$BASE_SO" ]] || { echo "the base's kernel library did not build: $OUT/base_kernels_build.txt" >&2; exit 1; }
+fi
 echo "base: $(cat "$ROOT/.ab_base/COMMIT"), new: this tree; $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
 start=$(date +%s)
 
 run() {  # run <what> <tree> <position> <recipe>
-  local what=$1 tree=$2 pos=$3 recipe=$4 path=$ROOT log
-  [[ $tree == base ]] && path=$ROOT/.ab_base
+  local what=$1 tree=$2 pos=$3 recipe=$4 path=$ROOT log so=${DTQ_KERNEL_LIBRARY:-}
+  [[ $tree == base ]] && path=$ROOT/.ab_base && so=${BASE_SO:-$so}
   log="$OUT/$what-$tree-$pos.txt"
   case $what in
     trainer)
-      (cd /tmp && PYTHONPATH="$SITE$path" python3 -m dtq.launch.train --config "$CONFIG" --recipe "$recipe" \
+      (cd /tmp && DTQ_KERNEL_LIBRARY="$so" PYTHONPATH="$SITE$path" python3 -m dtq.launch.train --config "$CONFIG" --recipe "$recipe" \
         --set train.steps="${STEPS:-30}" --set train.log_every=10 --set train.eval_every=0 \
         --set train.checkpoint_every=0 --set train.compile="${COMPILE:-true}" \
         --out-dir "/tmp/ab_run_${what}_${tree}_${pos}_${recipe}" --overwrite > "$log" 2>&1) ;;
     model_step)
-      (cd /tmp && PYTHONPATH="$SITE$path" python3 /tmp/ab_bench/model_step.py --config "$CONFIG" fp8c > "$log" 2>&1) ;;
+      (cd /tmp && DTQ_KERNEL_LIBRARY="$so" PYTHONPATH="$SITE$path" python3 /tmp/ab_bench/model_step.py --config "$CONFIG" fp8c > "$log" 2>&1) ;;
     fsdp)
-      (cd /tmp && PYTHONPATH="$SITE$path" torchrun --standalone --nproc-per-node 1 /tmp/ab_bench/bench_fsdp.py \
+      (cd /tmp && DTQ_KERNEL_LIBRARY="$so" PYTHONPATH="$SITE$path" torchrun --standalone --nproc-per-node 1 /tmp/ab_bench/bench_fsdp.py \
         --preset 1b --backward-thread caller --modes "dtq fp8 (bf16 gather) compiled" > "$log" 2>&1) ;;
     *) echo "unknown AB entry $what (trainer, model_step, fsdp)" >&2; return 2 ;;
   esac
