@@ -65,12 +65,13 @@ at::Tensor transposed_codes(const at::Tensor& x) {
 }
 
 // The op's Python kernel (where dtq's kernel does not apply): its CompositeExplicitAutograd
-// registration fills the CPU key, and it takes tensors of any device.
-template <typename Sig, typename... Args>
-auto python_kernel(const char* name, Args&&... args) {
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-  return op.redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), std::forward<Args>(args)...);
+// registration fills the CPU key, and it takes tensors of any device. (Each caller keeps its own
+// handle: one static per signature would mix up two ops of one signature.)
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> typed_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
+const c10::DispatchKeySet kPythonKernel(c10::DispatchKey::CPU);
 
 std::vector<int64_t> with_last(const at::Tensor& t, int64_t last) {
   std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
@@ -94,13 +95,17 @@ std::vector<at::Tensor> swiglu_h(const at::Tensor& x, int64_t block, bool want_a
 }
 
 at::Tensor swiglu_fw(const at::Tensor& x, int64_t block) {
-  if (!kernel_applies({&x})) return python_kernel<at::Tensor(const at::Tensor&, int64_t)>("dtq::swiglu_fw", x, block);
+  if (!kernel_applies({&x})) {
+    static const auto op = typed_op<at::Tensor(const at::Tensor&, int64_t)>("dtq::swiglu_fw");
+    return op.redispatch(kPythonKernel, x, block);
+  }
   return swiglu_h(x, block, false)[0];
 }
 
 std::vector<at::Tensor> swiglu_amax_fw(const at::Tensor& x, int64_t block) {
   if (!kernel_applies({&x})) {
-    return python_kernel<std::vector<at::Tensor>(const at::Tensor&, int64_t)>("dtq::swiglu_amax_fw", x, block);
+    static const auto op = typed_op<std::vector<at::Tensor>(const at::Tensor&, int64_t)>("dtq::swiglu_amax_fw");
+    return op.redispatch(kPythonKernel, x, block);
   }
   return swiglu_h(x, block, true);
 }
@@ -118,16 +123,17 @@ std::vector<at::Tensor> swiglu_dx(const at::Tensor& dh, const at::Tensor& x, int
 
 at::Tensor swiglu_backward_op(const at::Tensor& dh, const at::Tensor& x, int64_t block) {
   if (!kernel_applies({&x, &dh})) {
-    return python_kernel<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("dtq::swiglu_backward", dh, x,
-                                                                                   block);
+    static const auto op = typed_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("dtq::swiglu_backward");
+    return op.redispatch(kPythonKernel, dh, x, block);
   }
   return swiglu_dx(dh, x, block, false)[0];
 }
 
 std::vector<at::Tensor> swiglu_backward_amax_op(const at::Tensor& dh, const at::Tensor& x, int64_t block) {
   if (!kernel_applies({&x, &dh})) {
-    return python_kernel<std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t)>(
-        "dtq::swiglu_backward_amax", dh, x, block);
+    static const auto op =
+        typed_op<std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t)>("dtq::swiglu_backward_amax");
+    return op.redispatch(kPythonKernel, dh, x, block);
   }
   return swiglu_dx(dh, x, block, true);
 }

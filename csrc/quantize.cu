@@ -583,8 +583,6 @@ void launch(const at::Tensor& x, const SlotCfg& a, const SlotCfg& b, int vec_ok)
 
 }  // namespace
 
-// Returns false, launching nothing, where only the generic kernel applies and it lacks an option
-// (four-over-six 16 x 16 NVFP4 blocks): the caller runs the reference.
 // Whether a device is sm_90 or later (dtq/kernels available()'s capability test), asked per op
 // call by csrc/ops.cpp: the answer is kept per device index.
 bool sm90_or_later(int device) {
@@ -597,6 +595,8 @@ bool sm90_or_later(int device) {
   return ok;
 }
 
+// Returns false, launching nothing, where only the generic kernel applies and it lacks an option
+// (four-over-six 16 x 16 NVFP4 blocks): the caller runs the reference.
 bool quantize_fused(const at::Tensor& x, const std::vector<int64_t>& cfg_a, const std::vector<at::Tensor>& outs_a,
                     const c10::optional<at::Tensor>& amax_a, const std::vector<int64_t>& cfg_b,
                     const std::vector<at::Tensor>& outs_b, const c10::optional<at::Tensor>& amax_b,

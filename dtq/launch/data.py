@@ -83,10 +83,11 @@ class ByteWindows:
 
 
 def to_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """A CPU batch on ``device`` without waiting for the GPU: a plain ``.to("cuda")`` of pageable
-    memory synchronizes the stream, so every step would wait for the previous one to finish and
-    start with an empty launch queue. From pinned memory the copy is queued behind the previous
-    step's kernels instead (contiguous first: a strided copy would stage through pageable memory)."""
+    """A CPU batch on ``device``, on a GPU without waiting for it: a plain ``.to("cuda")`` of
+    pageable memory synchronizes the stream, so every step would wait for the previous one to
+    finish and start with an empty launch queue. From pinned memory the copy is queued behind the
+    previous step's kernels instead (made contiguous first: a strided copy would stage through
+    pageable memory)."""
     if device.type != "cuda":
         return tuple(t.to(device) for t in batch)
     return tuple(t.contiguous().pin_memory().to(device, non_blocking=True) for t in batch)

@@ -203,7 +203,8 @@ def _swiglu_amax_grad(ctx, grads):
 
 # The ops compiled graphs call (swiglu_fw, swiglu_amax_fw, swiglu_backward, swiglu_backward_amax)
 # have C++ CUDA kernels too (csrc/ops.cpp, registered when the kernel library loads): two calls per
-# LayerNormMLP and step, without a Python kernel; these Python kernels then run for other devices.
+# LayerNormMLP and step, without a Python kernel. These Python kernels run for other devices, and
+# on CUDA where dtq's kernel does not apply (the C++ kernel hands the call back to them).
 _swiglu_backward_op = define("swiglu_backward", _swiglu_backward_impl, _swiglu_backward_fake)
 _swiglu_backward_amax_op = define("swiglu_backward_amax", _swiglu_backward_amax_impl, _swiglu_backward_amax_fake)
 _swiglu_op = define("swiglu", _swiglu_impl, _swiglu_fake, backward=_swiglu_grad, setup_context=_swiglu_setup)

@@ -8,7 +8,11 @@ and GEMM is one the C++ function runs the same way (FP8 per-tensor codes from th
 GEMMs), the plan is described to the kernel library once (:func:`native_id`) and each call is one
 crossing into it (:func:`run`). The C++ side runs ``LinearPlan.forward`` / ``backward``'s own
 sequence of launches, GEMMs and casts, so the bits are the planned Python path's
-(``tests/kernels/test_native_linear.py``). Anything else keeps the Python path."""
+(``tests/kernels/test_native_linear.py``). Anything else keeps the Python path.
+
+A compiled graph runs its GEMMs itself, and quantizes through small ops (``dtq.nn._ops``:
+``planned_weight``, ``quantize_input``, ``quantize_grad``); where the plan is registered, those
+run their launch from the library too (:func:`payloads`), without the quantize plan's Python."""
 
 from __future__ import annotations
 
@@ -24,14 +28,15 @@ from dtq.weights import HighPrecisionWeight
 if TYPE_CHECKING:
     from dtq.codec import QuantizePlan
 
-# Off: plans keep the Python path (the tests compare the two; a plan decides at its first eager call).
+# Off: plans keep the Python path (the tests compare the two; a plan decides at its first run).
 enabled = True
 
 _WEIGHT_TYPES = (torch.Tensor, torch.nn.Parameter, HighPrecisionWeight)
 
 
 def native_of(plan: LinearPlan) -> int | None:
-    """``plan.native``, decided (and registered) at the plan's first eager call."""
+    """``plan.native``, decided (and registered) at the plan's first eager call or compiled
+    quantize op (:func:`payloads`)."""
     native = plan.native
     if native == NATIVE_UNDECIDED:
         native = plan.native = native_id(plan)

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from dtq.nn.gemm_state import GemmCall
 
 _unsafe_view = torch.ops.aten._unsafe_view.default
-NATIVE_UNDECIDED = -1  # LinearPlan.native before its first eager call
+NATIVE_UNDECIDED = -1  # LinearPlan.native before its first run (eager call or compiled quantize op)
 
 
 class LinearPlan:
@@ -126,9 +126,9 @@ class LinearPlan:
         # bias is added before the one rounding); plans of a slots template serve modules with
         # and without one (a compiled graph's)
         self.fprop = self.fprop_bias = self.dgrad = self.wgrad = None
-        # the kernel library's id of this plan where its C++ autograd function runs it eagerly,
-        # None where the Python path runs it: decided at its first eager call
-        # (dtq.nn.linear_native.native_of), not where a compiled graph traces it
+        # the kernel library's id of this plan where its C++ autograd function runs it eagerly
+        # (and a compiled graph's quantize ops run its launches), None where the Python path runs
+        # it: decided at its first run (dtq.nn.linear_native.native_of), not where a graph traces it
         self.native: int | None = NATIVE_UNDECIDED
 
     def fprop_fast_accum(self) -> bool:

@@ -163,9 +163,9 @@ def test_data_order_is_resumable_and_ranks_read_disjoint_samples():
 
 
 def test_batches_reach_the_device_as_their_values():
-    """``data.to_device`` (the trainer's batch copy) gives the batch's values, contiguous, on the
-    device; its point on a GPU, not waiting for the stream, is tested there with the stream's
-    synchronisation check (below)."""
+    """``data.to_device`` (the trainer's batch copy) gives the batch's values on the device (on a
+    GPU from pinned memory, copied contiguous first); its point there, not waiting for the stream,
+    is tested with the stream's synchronisation check (below)."""
     rows = torch.arange(3 * 9).reshape(3, 9)
     x, y = rows[:, :-1], rows[:, 1:]  # the strided views ByteWindows.batch returns
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

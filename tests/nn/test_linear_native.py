@@ -72,6 +72,7 @@ def _plan(
     monkeypatch.setattr(kernels, "available", lambda device=None: True)
     monkeypatch.setattr(kernels, "capability", lambda device: (9, 0))
     monkeypatch.setattr(kernels, "extension", lambda verbose=False: Library())
+    monkeypatch.setattr(linear_native, "_OUTPUTS", {})  # (the stub's ids are not the library's)
     layer = dtq.nn.Linear(64, 128, bias=False, params_dtype=torch.bfloat16)
     call = layer._slots(recipe, 0).call(need_dgrad, need_wgrad)
     weight = torch.empty(128, 64, dtype=w_dtype, device="meta")
