@@ -22,7 +22,7 @@ import torch
 
 from dtq import kernels
 from dtq.formats import COLUMNWISE, ROWWISE
-from dtq.nn.linear_plan import NATIVE_UNDECIDED, LinearPlan
+from dtq.nn.linear_plan import NATIVE_UNDECIDED, LinearPlan, _distinct
 from dtq.weights import HighPrecisionWeight
 
 if TYPE_CHECKING:
@@ -83,14 +83,13 @@ def _order(ints: list[int], layout: tuple) -> tuple[int, ...] | None:
     if ints[0] != 1:
         return None
     at = {"data": ints[_DATA], "scale_inv": ints[_SCALE], "data_t": ints[_DATA_T]}
-    order: dict[int, int] = {}
-    for _, field, i in layout:
-        if at.get(field, -1) < 0:
-            return None
-        order.setdefault(i, at[field])
-    if len(set(order.values())) != len(order):
-        return None  # (distinct payload tensors that would be one output)
-    return tuple(order[i] for i in range(len(order)))
+    if any(at.get(field, -1) < 0 for _, field, _ in layout):
+        return None
+    positions: dict = {}
+    for d, field, _ in layout:
+        positions.setdefault(d, {})[field] = at[field]
+    order = tuple(_distinct(positions, layout))  # (the plan's own walk of its layout)
+    return order if len(set(order)) == len(order) else None  # (distinct tensors, one output: no)
 
 
 def _writes(ints: list[int], field: int) -> bool:
@@ -129,6 +128,15 @@ def _launch_ints(
     return out
 
 
+def _known(amax: torch.Tensor | None, dirs: tuple[str, ...], device: torch.device) -> tuple[torch.Tensor | None, bool]:
+    """A producer's amax as a launch reads it: dropped where no direction takes it (the Python
+    path ignores it too); not ok where it is not the 0-dim fp32 on ``device`` the launch reads
+    (the Python path then checks it and says what is wrong)."""
+    if amax is None or not dirs:
+        return None, True
+    return amax, not amax.dim() and amax.dtype == torch.float32 and amax.device == device
+
+
 def run(
     plan: LinearPlan, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x_amax: torch.Tensor | None
 ) -> torch.Tensor | None:
@@ -139,11 +147,9 @@ def run(
     native = native_of(plan)
     if native is None or type(weight) not in _WEIGHT_TYPES:
         return None
-    if x_amax is not None:
-        if not plan.x_known:
-            x_amax = None  # (the Python path ignores it too)
-        elif x_amax.dim() or x_amax.dtype != torch.float32 or x_amax.device != x.device:
-            return None
+    x_amax, ok = _known(x_amax, plan.x_known, x.device)
+    if not ok:
+        return None
     w_data = weight._data if type(weight) is HighPrecisionWeight else weight
     return kernels.extension().native_linear(x, weight, w_data, bias, x_amax, native)
 
@@ -163,10 +169,8 @@ def payloads(
     order = _OUTPUTS[native][which]
     if order is None:
         return None
-    if known is not None:
-        if not (plan.x_known if which == INPUT else plan.g_known if which == GRAD else ()):
-            known = None  # (the Python path ignores it too)
-        elif known.dim() or known.dtype != torch.float32 or known.device != t.device:
-            return None
+    known, ok = _known(known, plan.x_known if which == INPUT else plan.g_known if which == GRAD else (), t.device)
+    if not ok:
+        return None
     outs = kernels.extension().native_quantize(t, known, native, which)
     return [outs[i] for i in order]
