@@ -225,7 +225,8 @@ def linear_backward(
     scatter = call.group if call.tp is not None and call.tp.scatters_output else None
     dx = dw = db = None
     if call.override is None:
-        known = call.link.take_grad_amax() if call.link is not None else None  # max|dy| from the next op's kernel
+        # max|dy| from the next op's kernel, where dy is the gradient it computed it for
+        known = call.link.take_grad_amax(dy) if call.link is not None else None
         gq = sg.quantize(
             dy2, rowwise=need_dgrad, columnwise=need_wgrad, group=scatter, sync=call.amax_sync, known_amax=known
         )

@@ -18,6 +18,7 @@ tensor, the largest activation of the MLP.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 
@@ -73,14 +74,27 @@ def _use_kernel(*tensors: torch.Tensor) -> bool:
 class AmaxLink:
     """Amaxes the fused kernels compute for free, for the dtq GEMMs on either side: ``h_amax``
     (max|h|, set by the forward: the down projection's input) and ``grad_amax`` (max|dx|, set by
-    the backward: the up projection's output gradient, read once by its backward). Each is the
-    exact value an amax pass would give, or None where no kernel ran."""
+    the backward with the gradient dx it belongs to: the up projection's output gradient, read
+    once by its backward). Each is the exact value an amax pass would give, or None where no
+    kernel ran."""
 
     h_amax: torch.Tensor | None = None
     grad_amax: torch.Tensor | None = None
+    _grad_of: weakref.ref | None = dataclasses.field(default=None, repr=False)
+    _grad_version: int = dataclasses.field(default=0, repr=False)
 
-    def take_grad_amax(self) -> torch.Tensor | None:
-        amax, self.grad_amax = self.grad_amax, None
+    def offer_grad_amax(self, dx: torch.Tensor, amax: torch.Tensor | None) -> None:
+        """max|dx| for the gradient ``dx`` the backward returns."""
+        self.grad_amax, self._grad_of, self._grad_version = amax, weakref.ref(dx), dx._version
+
+    def take_grad_amax(self, dy: torch.Tensor) -> torch.Tensor | None:
+        """The offered amax if ``dy`` is the very gradient it was computed for, unchanged; else
+        None (the GEMM runs its own amax pass): where h also feeds another op, autograd sums
+        the two gradients into another tensor, or into dx in place, whose max|.| differs."""
+        amax, of, version = self.grad_amax, self._grad_of, self._grad_version
+        self.grad_amax = self._grad_of = None
+        if amax is None or of is None or of() is not dy or dy._version != version:
+            return None
         return amax
 
 
@@ -109,9 +123,10 @@ class _SwiGLU(torch.autograd.Function):
                 ctx.block,
                 want_amax=link is not None,
             )
+            dx = dx.reshape(x.shape)
             if link is not None:
-                link.grad_amax = amax
-            return dx.reshape(x.shape), None, None
+                link.offer_grad_amax(dx, amax)
+            return dx, None, None
         return swiglu_backward_reference(dh, x, ctx.block), None, None
 
 

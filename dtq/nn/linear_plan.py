@@ -310,8 +310,8 @@ class LinearPlan:
                 pg = _fields(dy_payloads, self.g_layout)
             else:
                 known = dy_amax
-                if link is not None:  # max|dy| from the next op's kernel
-                    known = link.take_grad_amax()
+                if link is not None:  # max|dy| from the next op's kernel, where dy is its gradient
+                    known = link.take_grad_amax(dy)
                 pg = _run(self.qg, dy2, self.g_known, known)
             n = len(self.x_fields)
             if call.need_dgrad:

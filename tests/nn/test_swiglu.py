@@ -99,8 +99,10 @@ def test_layernorm_mlp_uses_it():
     assert torch.equal(mlp(x), ref)
 
 
-def _linear_run(recipe, x_amax_scale=None, grad_amax_scale=None):
-    """One dtq.nn.Linear forward + backward; with scales, given max|x| and max|dy| times them."""
+def _linear_run(recipe, x_amax_scale=None, grad_amax_scale=None, offer=lambda dy: dy, then=lambda dy: None):
+    """One dtq.nn.Linear forward + backward; with scales, given max|x| and max|dy| times them
+    (max|dy| offered for the tensor ``offer(dy)``, by default dy itself; ``then(dy)`` runs after
+    the offer)."""
     from dtq.nn.functional import AmaxLink
 
     torch.manual_seed(4)
@@ -112,7 +114,8 @@ def _linear_run(recipe, x_amax_scale=None, grad_amax_scale=None):
     with dtq.autocast(recipe):
         y = lin._linear(x, lin.weight, lin.bias, x_amax=x_amax, link=link)
     if link is not None:
-        link.grad_amax = dy.abs().amax() * grad_amax_scale
+        link.offer_grad_amax(offer(dy), dy.abs().amax() * grad_amax_scale)
+    then(dy)
     y.backward(dy)
     if link is not None:
         assert link.grad_amax is None  # read (and cleared) by the backward
@@ -140,6 +143,22 @@ def test_known_amax_reaches_current_scaling_only(recipe, used):
     assert torch.equal(exact[0], wrong_g[0])  # the forward never sees the gradient's amax
     assert torch.equal(exact[0], wrong_x[0]) != used
     assert torch.equal(exact[1], wrong_g[1]) != used
+
+
+def test_an_offered_grad_amax_holds_only_for_its_own_gradient():
+    """max|dx| offered through an AmaxLink is read only by a backward that receives that very dx,
+    unchanged. Where the up projection's output also feeds another op, autograd hands its
+    backward the sum of two gradients (another tensor, or dx added to in place), whose max|.| is
+    not dx's: the link's amax used to be read anyway, quantizing that sum with a wrong scale. The
+    GEMM now runs its own amax pass and gives the plain run's bits."""
+    recipe = dtq.Float8CurrentScaling()
+    plain = _linear_run(recipe)
+    assert not torch.equal(plain[1], _linear_run(recipe, None, 3.0)[1])  # a wrong amax is read
+    other = _linear_run(recipe, None, 3.0, offer=torch.clone)
+    changed = _linear_run(recipe, None, 3.0, then=lambda dy: dy.mul_(1.0))  # same values, a new version
+    for got in (other, changed):
+        for a, b in zip(plain, got):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize(
@@ -480,6 +499,38 @@ def test_compiled_layernorm_mlp_quantizes_the_swiglu_tensors_with_dtq_kernels(de
         assert text.count("torch.ops.dtq.quantize_input.default(") == 1, text
         assert text.count("torch.ops.dtq.quantize_grad.default(") == 1, text
         assert "torch.ops.dtq.swiglu_backward_amax.default(" in text
+
+
+@needs_kernels
+@pytest.mark.parametrize("summed", [False, True])
+def test_eager_up_projection_takes_the_swiglu_kernels_max_dx_for_its_own_gradient_only(summed):
+    """Eager, with an AmaxLink between fc1 and the SwiGLU kernel (``LayerNormMLP``'s wiring):
+    fc1's backward quantizes dy with the kernel's max|dx| and no amax pass of its own, and
+    where fc1's output feeds another op too (``summed``: autograd adds a second gradient into
+    the kernel's dx) it reduces the summed dy itself. Bits: those of a run without the link."""
+    from dtq.nn.functional import AmaxLink
+
+    r = dtq.Float8CurrentScaling()
+    runs, passes = {}, {}
+    for linked in (False, True):
+        torch.manual_seed(3)
+        fc1 = dtq.nn.Linear(64, 256, bias=False, params_dtype=torch.bfloat16, name="fc1").cuda()
+        x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16).requires_grad_()
+        link = AmaxLink() if linked else None
+        with dtq.autocast(r):
+            h = fc1._linear(x, fc1.weight, None, link=link)
+            out = swiglu(h, link=link).float().square().sum()
+            if summed:
+                out = out + 100 * h.float().sum()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out.backward()
+            torch.cuda.synchronize()
+        passes[linked] = sum("amax" in e.name and "kernel" in e.name for e in prof.events())
+        runs[linked] = [x.grad, fc1.weight.grad]
+    for a, b in zip(runs[True], runs[False]):
+        assert torch.equal(a, b)
+    # the link saves fc1's dy pass, except where dy is a sum
+    assert passes[True] == passes[False] - (0 if summed else 1), passes
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
