@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 import dtq
+from dtq import kernels
 from dtq.testing import spawn
 from tests._recipe_matrix import RECIPES
 
@@ -45,9 +46,10 @@ class Block(torch.nn.Module):
         return checkpoint(self._inner, x, use_reentrant=False) if self.recompute else self._inner(x)
 
 
-def _model(recipe, quantized_params: bool, recompute: bool) -> torch.nn.Sequential:
+def _model(recipe, quantized_params: bool, recompute: bool, device: str = "cpu") -> torch.nn.Sequential:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(Block("0"), Block("1"))
+    with torch.device(device):
+        model = torch.nn.Sequential(Block("0"), Block("1"))
     for b in model:
         b.recompute = recompute
     if recipe.delayed:
@@ -57,11 +59,11 @@ def _model(recipe, quantized_params: bool, recompute: bool) -> torch.nn.Sequenti
     return model
 
 
-def _data():
+def _data(device: str):
     g = torch.Generator().manual_seed(7)
     teacher = torch.randn(HIDDEN, HIDDEN, generator=g) / HIDDEN**0.5
     xs = [torch.randn(TOKENS, HIDDEN, generator=g) * (1 + step) for step in range(STEPS)]  # growing amaxes
-    return xs, [torch.tanh(x @ teacher) for x in xs]
+    return [x.to(device) for x in xs], [torch.tanh(x @ teacher).to(device) for x in xs]
 
 
 def _train(model, recipe, quantized_params: bool, precompute: bool):
@@ -69,7 +71,7 @@ def _train(model, recipe, quantized_params: bool, precompute: bool):
         opt = dtq.optim.MasterWeightOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    xs, ts = _data()
+    xs, ts = _data(next(model.parameters()).device.type)
     losses = []
     for x, t in zip(xs, ts):
         with dtq.autocast(recipe):
@@ -143,12 +145,12 @@ def _compare(recipe_name: str, config, losses, ref_losses, model, ref) -> None:
         assert torch.equal(got[key], bits), (recipe_name, config, key)
 
 
-def _check_fsdp_matrix(rank, world, recipe_name):
+def _check_fsdp_matrix(rank, world, recipe_name, device="cpu"):
     recipe = RECIPES[recipe_name]()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device, (world,))
     refs = {}
     for qp in (False, True):
-        ref = _model(recipe, qp, recompute=False)
+        ref = _model(recipe, qp, recompute=False, device=device)
         refs[qp] = (_train(ref, recipe, qp, precompute=False), ref)
     for qp, raf, precompute, unit, recompute in itertools.product(
         (False, True), (True, False), (False, True), ("linear", "block"), (False, True)
@@ -158,7 +160,7 @@ def _check_fsdp_matrix(rank, world, recipe_name):
         config = dict(
             quantized_params=qp, reshard_after_forward=raf, precompute_amax=precompute, unit=unit, recompute=recompute
         )
-        model = _model(recipe, qp, recompute)
+        model = _model(recipe, qp, recompute, device=device)
         _shard(model, mesh, unit, raf)
         losses = _train(model, recipe, qp, precompute)
         _compare(recipe_name, config, losses, refs[qp][0], model, refs[qp][1])
@@ -167,6 +169,20 @@ def _check_fsdp_matrix(rank, world, recipe_name):
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
 def test_fsdp2_equals_single_process(recipe_name):
     spawn(_check_fsdp_matrix, 2, recipe_name, backend="gloo")
+
+
+# The same on GPUs with NCCL: dtq's CUDA kernels and native GEMMs, and for FP8 per-tensor calls on
+# plain weights the kernel library's C++ autograd function (dtq.nn.linear_native).
+needs_gpu = pytest.mark.skipif(not kernels.available(), reason="needs a GPU with dtq's CUDA kernels")
+needs_gpus = pytest.mark.skipif(
+    not kernels.available() or torch.cuda.device_count() < 2, reason="needs two GPUs with dtq's CUDA kernels"
+)
+
+
+@needs_gpus
+@pytest.mark.parametrize("recipe_name", ["fp8", "fp8_block", "hybrid_mxfp8_nvfp4"])
+def test_fsdp2_equals_single_process_nccl(recipe_name):
+    spawn(_check_fsdp_matrix, 2, recipe_name, "cuda", backend="nccl")
 
 
 def _check_hsdp(rank, world):
@@ -186,18 +202,18 @@ def test_hsdp_2x2_equals_single_process():
     spawn(_check_hsdp, 4, backend="gloo")
 
 
-def _check_one_rank(rank, world):
+def _check_one_rank(rank, world, device="cpu"):
     """FSDP2 over one rank (the trainer on one GPU): its gathers take the single-rank shortcut,
     where one payload field travels as it is and several are packed into one input, and whose
     amaxes the quantize pass takes (recipes with one field per direction, several, a hybrid)."""
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device, (world,))
     for recipe_name in ("fp8", "mxfp8", "hybrid_mxfp8_nvfp4"):
         recipe = RECIPES[recipe_name]()
         for qp in (False, True):
-            ref = _model(recipe, qp, recompute=False)
+            ref = _model(recipe, qp, recompute=False, device=device)
             ref_losses = _train(ref, recipe, qp, precompute=False)
             for raf in (True, False):
-                model = _model(recipe, qp, recompute=False)
+                model = _model(recipe, qp, recompute=False, device=device)
                 _shard(model, mesh, "block", raf)
                 losses = _train(model, recipe, qp, precompute=not qp)
                 _compare(recipe_name, dict(world=1, quantized_params=qp, raf=raf), losses, ref_losses, model, ref)
@@ -207,16 +223,32 @@ def test_fsdp2_on_one_rank_equals_single_process():
     spawn(_check_one_rank, 1, backend="gloo")
 
 
-def _check_high_precision_gather(rank, world):
+@needs_gpu
+def test_fsdp2_on_one_gpu_equals_single_process():
+    spawn(_check_one_rank, 1, "cuda", backend="nccl")
+
+
+def _check_high_precision_gather(rank, world, device="cpu"):
     """Weights FSDP2 gathers unquantized (``gather_high_precision``), each GEMM quantizing the whole
     gathered weight: the single process with dtq's own weights, every recipe."""
-    mesh = init_device_mesh("cpu", (world,))
+    from dtq.nn import linear_native
+
+    mesh = init_device_mesh(device, (world,))
+    native, run = [], linear_native.run
+
+    def counted(*args):  # whether each eager call ran the C++ function
+        y = run(*args)
+        native.append(y is not None)
+        return y
+
+    linear_native.run = counted
     for recipe_name, factory in RECIPES.items():
         recipe = factory()
-        ref = _model(recipe, False, recompute=False)
+        native.clear()
+        ref = _model(recipe, False, recompute=False, device=device)
         ref_losses = _train(ref, recipe, False, precompute=False)
         for raf, recompute in ((True, False), (False, True)):
-            model = _model(recipe, False, recompute)
+            model = _model(recipe, False, recompute, device=device)
             changed = dtq.parallel.gather_high_precision(model)
             assert changed == [f"{b}.{fc}.weight" for b in "01" for fc in ("fc1", "fc2")]
             _shard(model, mesh, "block", raf)
@@ -224,7 +256,15 @@ def _check_high_precision_gather(rank, world):
             losses = _train(model, recipe, False, precompute=True)  # (nothing to precompute: a no-op)
             config = dict(gather="high precision", reshard_after_forward=raf, recompute=recompute)
             _compare(recipe_name, config, losses, ref_losses, model, ref)
+        if recipe_name == "fp8":  # on a GPU every call runs it, the reference's and the sharded runs'
+            assert native and all(native) == (device == "cuda"), native
 
 
 def test_high_precision_gather_equals_single_process():
     spawn(_check_high_precision_gather, 2, backend="gloo")
+
+
+@needs_gpus
+def test_high_precision_gather_equals_single_process_nccl():
+    """The trainer's default on one host: plain gathers, each FP8 GEMM through the C++ function."""
+    spawn(_check_high_precision_gather, 2, "cuda", backend="nccl")
