@@ -210,3 +210,17 @@ def register_opaque_reference(cls: type) -> None:
         opaque_object.register_custom_class(cls, typ="symbolic")
     else:
         opaque_object.register_opaque_type(cls, typ="reference")
+
+
+def register_foreach_type(cls: type) -> None:
+    """Let torch's optimizers pick their multi-tensor (foreach) kernels for parameters of tensor
+    subclass ``cls``, as DTensor registers itself. Without it, AdamW's default on a GPU runs its
+    per-tensor loop for a single process's dtq weights but the multi-tensor kernels for FSDP2's
+    DTensors of the same weights, and the two round differently (the update differs in the last
+    bits), besides the loop being slower."""
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils
+
+    for types in (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
+        if cls not in types:
+            types.append(cls)

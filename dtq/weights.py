@@ -10,7 +10,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from dtq import tensor
-from dtq._torch_private import local_tensor
+from dtq._torch_private import local_tensor, register_foreach_type
 from dtq.distributed import gather
 
 aten = torch.ops.aten
@@ -177,6 +177,8 @@ class HighPrecisionWeight(torch.Tensor):
 
 # FSDP2 reads the hook's signature on every gather: precomputed, as for QuantizedTensor's.
 HighPrecisionWeight.fsdp_pre_all_gather.__signature__ = inspect.signature(HighPrecisionWeight.fsdp_pre_all_gather)
+# AdamW's default picks the same (multi-tensor) kernels for these weights as for FSDP2's DTensors of them.
+register_foreach_type(HighPrecisionWeight)
 
 
 def unwrap(t: torch.Tensor) -> torch.Tensor:

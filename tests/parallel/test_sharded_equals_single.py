@@ -179,6 +179,36 @@ def test_fsdp2_equals_single_process(recipe_name):
     spawn(_check_fsdp_matrix, 2, recipe_name, backend="gloo")
 
 
+def test_adamw_runs_the_same_kernels_for_dtq_weights_as_for_their_fsdp2_shards(monkeypatch):
+    """On a GPU, AdamW's default runs its multi-tensor kernels for FSDP2's DTensor parameters. It
+    must for a single process's dtq weights too: its per-tensor loop rounds the update differently
+    (on two H200s every NCCL case above differed in the last bits after the first step). A CPU has
+    no multi-tensor default, so torch's device check here counts the CPU as one that has."""
+    from torch.optim import adam, optimizer
+
+    monkeypatch.setattr(optimizer, "_get_foreach_kernels_supported_devices", lambda: ["cpu"])
+    ran = []
+    for name in ("_single_tensor_adam", "_multi_tensor_adam"):
+        real = getattr(adam, name)
+        monkeypatch.setattr(adam, name, lambda *a, _real=real, _name=name, **k: ran.append(_name) or _real(*a, **k))
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(16, 8)
+    ours = dtq.nn.Linear(16, 8, name="fc")
+    assert type(ours.weight) is not torch.nn.Parameter  # (a subclass: what torch's check used to refuse)
+    with torch.no_grad():
+        ours.weight.copy_(plain.weight)
+        ours.bias.copy_(plain.bias)
+    x = torch.randn(4, 16)
+    for layer in (plain, ours):
+        opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+        with dtq.autocast(enabled=False):  # (high precision: the update is what is compared)
+            layer(x).square().sum().backward()
+        opt.step()
+    assert ran == ["_multi_tensor_adam", "_multi_tensor_adam"], ran
+    for a, b in ((plain.weight, ours.weight), (plain.bias, ours.bias)):
+        assert torch.equal(_bits(a.detach()), _bits(dtq.weights.unwrap(b.detach())))
+
+
 # The same on GPUs with NCCL: dtq's CUDA kernels and native GEMMs, and for FP8 per-tensor calls on
 # plain weights the kernel library's C++ autograd function (dtq.nn.linear_native).
 needs_gpu = pytest.mark.skipif(not kernels.available(), reason="needs a GPU with dtq's CUDA kernels")
@@ -244,9 +274,9 @@ def _check_high_precision_gather(rank, world, device="cpu"):
     mesh = init_device_mesh(device, (world,))
     native, run = [], linear_native.run
 
-    def counted(*args):  # whether each eager call ran the C++ function
-        y = run(*args)
-        native.append(y is not None)
+    def counted(plan, x, *args):  # whether each eager call ran the C++ function
+        y = run(plan, x, *args)
+        native.append((x.requires_grad, y is not None))
         return y
 
     linear_native.run = counted
@@ -264,8 +294,13 @@ def _check_high_precision_gather(rank, world, device="cpu"):
             losses = _train(model, recipe, False, precompute=True)  # (nothing to precompute: a no-op)
             config = dict(gather="high precision", reshard_after_forward=raf, recompute=recompute)
             _compare(recipe_name, config, losses, ref_losses, model, ref)
-        if recipe_name == "fp8":  # on a GPU every call runs it, the reference's and the sharded runs'
-            assert native and all(native) == (device == "cuda"), native
+        if recipe_name == "fp8":
+            # On a GPU every call runs it, the reference's and the sharded runs', but the first
+            # layer's: its input (the data) needs no gradient, a plan without dgrad that the C++
+            # function declines (dtq.nn.linear_native.native_id). On a CPU none runs it.
+            assert any(needs_dgrad for needs_dgrad, _ in native), native
+            assert all(ran == (device == "cuda") for needs_dgrad, ran in native if needs_dgrad), native
+            assert not any(ran for needs_dgrad, ran in native if not needs_dgrad), native
 
 
 def test_high_precision_gather_equals_single_process():
