@@ -146,7 +146,7 @@ def _fail_mid_save(rank, world, out):
 
 
 def test_a_rank_failing_mid_save_leaves_the_last_complete_checkpoint_newest(tmp_path):
-    spawn(_fail_mid_save, 2, str(tmp_path))
+    spawn(_fail_mid_save, 2, str(tmp_path), backend="gloo")
 
 
 def test_latest_ignores_temporary_dirs_and_a_start_tidies_them(tmp_path):

@@ -401,8 +401,8 @@ def _load_on_more_ranks(rank, world, path):
 def test_resume_on_more_ranks_takes_rank0_histories(tmp_path):
     """Ranks a checkpoint has no entries for (a resume on a larger world) start from rank 0's
     delayed-scaling histories, which the trainer keeps equal on every rank."""
-    spawn(_save_with_histories, 2, str(tmp_path))
-    spawn(_load_on_more_ranks, 4, str(tmp_path))
+    spawn(_save_with_histories, 2, str(tmp_path), backend="gloo")
+    spawn(_load_on_more_ranks, 4, str(tmp_path), backend="gloo")
 
 
 def test_overrides_are_checked_against_the_field_types():

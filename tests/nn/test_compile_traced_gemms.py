@@ -244,7 +244,7 @@ def test_fsdp2_over_blocks_with_traced_gemms_equals_eager():
     run the GEMMs) and with quantized ones (the weight arrives quantized: the ops run them)."""
     from dtq.testing import spawn
 
-    spawn(_fsdp, 2, timeout=600)
+    spawn(_fsdp, 2, backend="gloo", timeout=600)
 
 
 def test_call_flags_pack_every_combination_into_distinct_codes():

@@ -65,11 +65,11 @@ def _steps(rank, world, reduce: bool, recompute: str | None):
 
 @pytest.mark.parametrize("recompute", [None, "non_reentrant", "reentrant"])
 def test_histories_agree_across_ranks(recompute):
-    spawn(_steps, 2, True, recompute)
+    spawn(_steps, 2, True, recompute, backend="gloo")
 
 
 def test_without_a_group_histories_stay_per_rank():
-    spawn(_steps, 2, False, None)
+    spawn(_steps, 2, False, None, backend="gloo")
 
 
 def _reused_module(rank, world):
@@ -111,7 +111,7 @@ def _reused_module(rank, world):
 
 
 def test_module_called_twice_per_step():
-    spawn(_reused_module, 2)
+    spawn(_reused_module, 2, backend="gloo")
 
 
 def test_amax_group_needs_torch_distributed():

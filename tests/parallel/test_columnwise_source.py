@@ -210,7 +210,7 @@ def _check_shards(rank, world):
 
 
 def test_shards_master_casts_and_sequence_parallel_2_ranks():
-    spawn(_check_shards, 2)
+    spawn(_check_shards, 2, backend="gloo")
 
 
 # -- FSDP2 ----------------------------------------------------------------------------------------
@@ -302,4 +302,4 @@ def _check_fsdp(rank, world):
 
 
 def test_fsdp2_equals_single_process_2_ranks():
-    spawn(_check_fsdp, 2)
+    spawn(_check_fsdp, 2, backend="gloo")
