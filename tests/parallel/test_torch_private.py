@@ -109,3 +109,15 @@ def test_checkpoint_region_is_the_same_in_forward_and_recompute():
     seen.clear()
     f(torch.randn(2))  # outside any checkpoint
     assert seen == [None]
+
+
+def test_dtq_weights_are_among_torchs_foreach_types():
+    """dtq registers its weight wrapper where torch's optimizers look up the tensor types their
+    multi-tensor kernels take (``priv.register_foreach_type``), as DTensor registers itself."""
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils
+
+    for module in (optimizer, _foreach_utils):
+        types = getattr(module, "_foreach_supported_types", None)
+        assert types is not None, f"{module.__name__}._foreach_supported_types moved"
+        assert dtq.parallel.HighPrecisionWeight in types, module.__name__
