@@ -4,11 +4,12 @@ the Python around them (module, recipe resolution, plan lookup, autograd Functio
 dicts). The C++ calls it leaves out (``quantize_alloc``, ``torch._scaled_mm``) are timed by
 ``bench/host_overhead.py`` on a GPU; together they are the eager host time issue 16 bounds.
 
-    python bench/host_python.py [--recipe fp8] [--bias] [--n 2000] [--profile 30] [--compiled]
+    python bench/host_python.py [--recipe fp8] [--bias] [--n 2000] [--profile 30] [--compiled] [--layers 1]
 
 ``--compiled``: the module compiled (``fullgraph``, backend ``aot_eager``: dtq's custom ops run
 as they do under inductor, without inductor's code generation), so what is timed is the Python
-of the ops' bodies and torch's dispatch into them.
+of the ops' bodies and torch's dispatch into them. ``--layers N``: N Linears in a row in one module
+(one graph when compiled), timed per Linear: what a graph's own overhead costs each GEMM of a block.
 
 Use it to compare a change of that Python without a GPU: the same machine, before and after.
 On the CPU the stubbed results come from the reference codecs (computed once, then reused).
@@ -82,19 +83,22 @@ def main() -> None:
     p.add_argument("--n", type=int, default=2000)
     p.add_argument("--profile", type=int, default=0, metavar="TOP", help="also cProfile's TOP functions by own time")
     p.add_argument("--compiled", action="store_true", help="compile the module (fullgraph, aot_eager)")
+    p.add_argument("--backend", default="aot_eager", help="torch.compile's backend with --compiled")
+    p.add_argument("--layers", type=int, default=1, help="Linears in a row (timed per Linear)")
     args = p.parse_args()
     stub_kernels()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     recipe = recipes()[args.recipe]
-    module = dtq.nn.Linear(256, 256, bias=args.bias, params_dtype=torch.bfloat16, device=device)
+    kw = dict(bias=args.bias, params_dtype=torch.bfloat16, device=device)
+    module = torch.nn.Sequential(*(dtq.nn.Linear(256, 256, **kw) for _ in range(args.layers)))
     x = torch.randn(64, 256, dtype=torch.bfloat16, device=device, requires_grad=True)
     if args.compiled:
-        module = torch.compile(module, fullgraph=True, backend="aot_eager")
+        module = torch.compile(module, fullgraph=True, backend=args.backend)
     with torch.autograd.set_multithreading_enabled(False):  # backward on this thread (and cProfile's)
         us, step = step_us(module, recipe, x, args.n)
-        what = "compiled" if args.compiled else "eager"
-        name = f"dtq.nn.Linear {args.recipe} (bias={args.bias}, {what})"
-        print(f"{name}, kernels stubbed: {us:.1f} us of host time per step")
+        what = f"compiled, {args.backend}" if args.compiled else "eager"
+        name = f"dtq.nn.Linear {args.recipe} (bias={args.bias}, {what}, {args.layers} in a row)"
+        print(f"{name}, kernels stubbed: {us / args.layers:.1f} us of host time per Linear step")
         if args.profile:
             prof = cProfile.Profile()
             prof.enable()
