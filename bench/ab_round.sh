@@ -14,7 +14,8 @@
 #
 # For each tree in ORDER ("new base new" by default: a first run on a fresh lease has been slow)
 # it runs each of AB:
-#   trainer     launch/train's CONFIG (launch/configs/llama1b_1gpu.toml), RECIPE (fp8), COMPILE
+#   trainer     launch/train's CONFIG (launch/configs/llama1b_1gpu.toml), RECIPE (fp8; several, e.g.
+#               "fp8 bf16", run one after another for each tree), COMPILE
 #               (true), STEPS (30) steps, logging every 10: ms/step per ten steps
 #   model_step  bench/model_step.py at CONFIG's shapes, FP8 compiled, no FSDP2
 #   fsdp        bench/bench_fsdp.py --preset 1b on one rank, dtq FP8 (BF16 gathers) compiled:
@@ -22,7 +23,7 @@
 # and then the trainer once under BF16 for the ratio (BF16=0: not). Every run imports the tree
 # under test (bench/ copied to /tmp, so the checkout's own dtq/ is not on the path) with
 # inductor's caches off: a cached graph would hide a change to a decomposition. Logs in $OUT,
-# named <run>-<tree>-<position in ORDER>.txt; the last lines print every trainer run's losses (all
+# named <run>-<tree>-<position in ORDER>[-<recipe> where RECIPE names several].txt; the last lines print every trainer run's losses (all
 # digits, from its metrics.jsonl: the GPU trainer is not bitwise repeatable run to run, so compare
 # trees over repeated runs, ORDER="new new base base") and every run's figures.
 set -uo pipefail
@@ -70,10 +71,10 @@ fi
 echo "base: $(cat "$ROOT/.ab_base/COMMIT"), new: this tree; $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
 start=$(date +%s)
 
-run() {  # run <what> <tree> <position> <recipe>
+run() {  # run <what> <tree> <position> <recipe> [log name suffix]
   local what=$1 tree=$2 pos=$3 recipe=$4 path=$ROOT log so=${DTQ_KERNEL_LIBRARY:-}
   [[ $tree == base ]] && path=$ROOT/.ab_base && so=${BASE_SO:-$so}
-  log="$OUT/$what-$tree-$pos.txt"
+  log="$OUT/$what-$tree-$pos${5:-}.txt"
   case $what in
     trainer)
       (cd /tmp && DTQ_KERNEL_LIBRARY="$so" PYTHONPATH="$SITE$path" python3 -m dtq.launch.train --config "$CONFIG" --recipe "$recipe" \
@@ -94,7 +95,13 @@ pos=0
 for tree in ${ORDER:-new base new}; do
   pos=$((pos + 1))
   for what in ${AB:-trainer}; do
-    run "$what" "$tree" "$pos" "${RECIPE:-fp8}"
+    recipes=${RECIPE:-fp8}
+    [[ $what == trainer ]] || recipes=${recipes%% *}  # model_step and fsdp run FP8 once
+    for recipe in $recipes; do
+      suffix=""
+      [[ "${RECIPE:-fp8}" == *" "* ]] && suffix="-$recipe"
+      run "$what" "$tree" "$pos" "$recipe" "$suffix"
+    done
   done
 done
 [[ "${BF16:-1}" != 0 && " ${AB:-trainer} " == *" trainer "* ]] && run trainer new bf16 bf16

@@ -74,10 +74,16 @@ def materialize_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params, max_norm: float, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
     """``clip_grad_norm_`` over gradients that live on different device meshes (tensor-parallel
     weights on the 2-D mesh, the rest on the data-parallel one), which torch's version cannot
-    stack: one norm per mesh, combined, then every gradient scaled by the same factor."""
+    stack: one norm per mesh, combined, then every gradient scaled by the same factor.
+
+    Given an ``optimizer`` whose step unscales gradients itself (fused Adam / AdamW: torch's
+    ``GradScaler`` protocol, ``optimizer.grad_scale``), the factor goes there instead of into a
+    pass of its own over every gradient (2.4 ms of a 1.07 B step on an H200): the step divides by
+    the reciprocal where clipping multiplies, which may differ in the last bit. :func:`step`
+    clears it again."""
     by_mesh: dict = {}
     for p in params:
         if p.grad is not None:
@@ -87,6 +93,17 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
         norm = torch.nn.utils.get_total_norm([p.grad for p in group])
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    if optimizer is not None and getattr(optimizer, "_step_supports_amp_scaling", False) and norms:
+        # clip_grads_with_norm_'s factor, min(1, max_norm / (total + 1e-6)), as a divisor
+        optimizer.grad_scale = torch.clamp((total + 1e-6) / max_norm, min=1.0).float()
+        return total
     for group in by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
+
+
+def step(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.step()``, then drop a clipping factor :func:`clip_grad_norm` left for it (as
+    ``GradScaler`` does after its step), so that no later step divides by it again."""
+    optimizer.step()
+    optimizer.__dict__.pop("grad_scale", None)

@@ -13,6 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 import dtq
+from dtq import _torch_private
 from dtq.launch.config import Config
 
 
@@ -125,4 +126,7 @@ def parallelize(
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
+    if dp["dp"].size() == 1:  # FSDP2 over one rank would copy every packed gradient once more
+        for unit in [*model.blocks, model]:
+            unit.set_custom_reduce_scatter(_torch_private.one_rank_reduce_scatter())
     return model

@@ -352,8 +352,8 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto", 
                 loss = lm_loss(model, x, y)
             run_backward(loss, tc.backward_thread)
             if tc.grad_clip > 0:
-                optim.clip_grad_norm(model.parameters(), tc.grad_clip)
-            opt.step()
+                optim.clip_grad_norm(model.parameters(), tc.grad_clip, opt)
+            optim.step(opt)
             opt.zero_grad(set_to_none=True)
             if reduce_amaxes:
                 dtq.parallel.precompute_amax(model, recipe)  # every weight's amax in one all-reduce

@@ -121,3 +121,60 @@ def test_dtq_weights_are_among_torchs_foreach_types():
         types = getattr(module, "_foreach_supported_types", None)
         assert types is not None, f"{module.__name__}._foreach_supported_types moved"
         assert dtq.parallel.HighPrecisionWeight in types, module.__name__
+
+
+def _check_one_rank_reduce_scatter(rank, world):
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (1,))
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(), torch.nn.Linear(48, 16))
+        fully_shard(model[0], mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        return model
+
+    default, spared = build(), build()
+    allocations = {}
+    for name, unit in (("block", spared[0]), ("root", spared)):
+        comm = priv.one_rank_reduce_scatter()
+        real, seen = comm.allocate, allocations.setdefault(name, [])
+        comm.allocate = lambda *a, _real=real, _seen=seen, **k: _seen.append(_real(*a, **k)) or _seen[-1]
+        unit.set_custom_reduce_scatter(comm)
+    x = torch.randn(8, 32)
+    for model in (default, spared):
+        model(x).square().sum().backward()
+    for name, seen in allocations.items():
+        assert len(seen) == 2 and seen[1] is seen[0], (
+            f"FSDP2's one-rank reduction of the {name} no longer allocates its packed input and then its "
+            f"output ({len(seen)} allocations): one_rank_reduce_scatter's pairing no longer holds"
+        )
+    packed = allocations["block"][0].untyped_storage().data_ptr()
+    for p in spared[0].parameters():
+        assert p.grad.to_local().untyped_storage().data_ptr() == packed, "gradients do not view the packed buffer"
+    for model in (default, spared):  # accumulation: the second backward adds into the first's gradients
+        model(x * 2).square().sum().backward()
+    for a, b in zip(default.parameters(), spared.parameters(), strict=True):
+        assert torch.equal(a.grad.to_local(), b.grad.to_local())
+
+
+def test_one_rank_reduce_scatter_spares_fsdp2s_copy_and_keeps_the_bits():
+    """Over one rank FSDP2 copies the packed gradients into a second buffer; the comm hands the
+    packed buffer back as that buffer, so the copy is a self-copy. The pairing relies on FSDP2's
+    allocation order (input, then output), which this checks, as it checks the gradients' bits
+    against FSDP2's own comm, with accumulation."""
+    spawn(_check_one_rank_reduce_scatter, 1, backend="gloo")
+
+
+def test_one_rank_reduce_scatter_refuses_a_real_reduction():
+    class Group:
+        def size(self):
+            return 2
+
+    comm = priv.one_rank_reduce_scatter()
+    try:
+        comm(torch.zeros(2), torch.zeros(4), Group(), None)
+    except AssertionError as e:
+        assert "over 2 ranks" in str(e) and "shard mesh has size 1" in str(e)
+    else:
+        raise RuntimeError("a real reduction went through OneRankReduceScatter")
