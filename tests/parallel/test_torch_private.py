@@ -125,7 +125,10 @@ def test_dtq_weights_are_among_torchs_foreach_types():
 
 def _check_one_rank_reduce_scatter(rank, world):
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    mesh = init_device_mesh("cpu", (1,))
+    # one rank: FSDP2 alone; two: HSDP whose shard groups have one rank (the all-reduce across
+    # replicas then runs in place on the packed buffer)
+    shape, names = ((1,), None) if world == 1 else ((world, 1), ("replicate", "shard"))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
 
     def build():
         torch.manual_seed(0)
@@ -141,7 +144,7 @@ def _check_one_rank_reduce_scatter(rank, world):
         real, seen = comm.allocate, allocations.setdefault(name, [])
         comm.allocate = lambda *a, _real=real, _seen=seen, **k: _seen.append(_real(*a, **k)) or _seen[-1]
         unit.set_custom_reduce_scatter(comm)
-    x = torch.randn(8, 32)
+    x = torch.randn(8, 32) + rank  # replicas see different data: the all-reduce must add them
     for model in (default, spared):
         model(x).square().sum().backward()
     for name, seen in allocations.items():
@@ -164,6 +167,7 @@ def test_one_rank_reduce_scatter_spares_fsdp2s_copy_and_keeps_the_bits():
     allocation order (input, then output), which this checks, as it checks the gradients' bits
     against FSDP2's own comm, with accumulation."""
     spawn(_check_one_rank_reduce_scatter, 1, backend="gloo")
+    spawn(_check_one_rank_reduce_scatter, 2, backend="gloo")
 
 
 def test_one_rank_reduce_scatter_refuses_a_real_reduction():
