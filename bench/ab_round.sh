@@ -23,9 +23,10 @@
 # and then the trainer once under BF16 for the ratio (BF16=0: not). Every run imports the tree
 # under test (bench/ copied to /tmp, so the checkout's own dtq/ is not on the path) with
 # inductor's caches off: a cached graph would hide a change to a decomposition. Logs in $OUT,
-# named <run>-<tree>-<position in ORDER>[-<recipe> where RECIPE names several].txt; the last lines print every trainer run's losses (all
-# digits, from its metrics.jsonl: the GPU trainer is not bitwise repeatable run to run, so compare
-# trees over repeated runs, ORDER="new new base base") and every run's figures.
+# named <run>-<tree>-<position in ORDER>.txt (-<recipe> appended where RECIPE names several);
+# the last lines print every trainer run's losses (all digits, from its metrics.jsonl: the GPU
+# trainer is not bitwise repeatable run to run, so compare trees over repeated runs,
+# ORDER="new new base base") and every run's figures.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 if [[ "${1:-}" == "--prepare" ]]; then

@@ -81,9 +81,9 @@ def clip_grad_norm(params, max_norm: float, optimizer: torch.optim.Optimizer | N
 
     Given an ``optimizer`` whose step unscales gradients itself (fused Adam / AdamW: torch's
     ``GradScaler`` protocol, ``optimizer.grad_scale``), the factor goes there instead of into a
-    pass of its own over every gradient (2.4 ms of a 1.07 B step on an H200): the step divides by
-    the reciprocal where clipping multiplies, which may differ in the last bit. :func:`step`
-    clears it again."""
+    pass of its own over every gradient (2.4 ms of a 1.07 B step on an H200; the fused step then
+    writes the scaled gradients back, so about 0.5 ms net). The step divides by the reciprocal
+    where clipping multiplies, which may differ in the last bit. :func:`step` clears it again."""
     by_mesh: dict = {}
     for p in params:
         if p.grad is not None:
