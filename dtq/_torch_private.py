@@ -229,30 +229,55 @@ def register_foreach_type(cls: type) -> None:
 
 def one_rank_reduce_scatter():
     """A reduce-scatter comm (FSDP2's ``set_custom_reduce_scatter``) for a shard group of one rank
-    that spares FSDP2's copy of the packed gradients. Over one rank FSDP2 (2.11-2.13) does not
+    that spares FSDP2's copy of the packed gradients. Over one rank FSDP2 (2.10-2.13) does not
     reduce-scatter: it allocates a second buffer of the same size and copies the packed gradients
     into it (at the 1.07 B shapes about 8.6 GB of reads and writes a step, competing with the
-    next block's backward). FSDP2 allocates the packed input, then, on its reduce-scatter stream,
-    the output; handing the input back as the output makes the copy a self-copy, which
-    ``Tensor.copy_`` skips, and the sharded gradients view the packed buffer. Bits are unchanged:
-    a one-rank reduction is the identity."""
+    next block's backward); 2.9 calls the comm, which then has nothing to do. FSDP2 allocates the
+    packed input on the current stream, then the output on its reduce-scatter stream; handing the
+    input back as the output makes the copy a self-copy, which ``Tensor.copy_`` skips. Bits are
+    unchanged: a one-rank sum or average is the identity.
+
+    FSDP2 keeps the input only until the next unit's reduction, having waited for the reduction
+    but not for what it runs after it on that stream (accumulating into existing gradients,
+    casting to another dtype, copying to the CPU), which now reads this buffer: the buffer is
+    therefore marked as used on that stream (``record_stream``), so the allocator does not hand
+    it out again before that work is done. Where a pairing cannot be sure (the pending input
+    gone, or on CUDA an output asked for on the input's own stream) the comm allocates afresh."""
+    import weakref
+
+    import torch.distributed as dist
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
     class OneRankReduceScatter(ReduceScatter):
         def __init__(self) -> None:
-            self._packed: torch.Tensor | None = None  # the input of the reduction in progress
+            self._pending = None  # (weakref to the packed input of the reduction in progress, its stream)
 
         def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            packed, self._packed = self._packed, None
-            if packed is not None and packed.shape == tuple(size) and packed.dtype == dtype:
-                return packed  # the output: the input itself
-            self._packed = torch.empty(*size, dtype=dtype, device=device)
-            return self._packed
+            pending, self._pending = self._pending, None
+            cuda = torch.device(device).type == "cuda"
+            stream = torch.cuda.current_stream(device) if cuda else None
+            if pending is not None:
+                packed = pending[0]()
+                if (
+                    packed is not None
+                    and packed.shape == tuple(size)
+                    and packed.dtype == dtype
+                    and packed.device == torch.device(device)
+                    and (not cuda or stream != pending[1])  # the output: on the reduce-scatter stream
+                ):
+                    if cuda:
+                        packed.record_stream(stream)
+                    return packed  # the output: the input itself
+            packed = torch.empty(*size, dtype=dtype, device=device)
+            self._pending = (weakref.ref(packed), stream)
+            return packed
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-            raise AssertionError(  # dtq sets it only on one-rank shard meshes
-                f"OneRankReduceScatter was called to reduce over {group.size()} ranks: it is only for "
-                "FSDP2 shard groups of one rank (set it only where the shard mesh has size 1)"
-            )
+            # torch 2.9 calls the comm over one rank too: with the output the input itself, a sum
+            # or an average over one rank leaves it as it is
+            identity = op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
+            if group.size() == 1 and output_tensor is input_tensor and identity:
+                return None
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
     return OneRankReduceScatter()

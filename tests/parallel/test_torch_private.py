@@ -1,6 +1,7 @@
 """dtq reads a few private torch attributes (dtq/_torch_private.py). If a torch release
 moves any of them, these tests fail with a message saying which one."""
 
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -123,6 +124,18 @@ def test_dtq_weights_are_among_torchs_foreach_types():
         assert dtq.parallel.HighPrecisionWeight in types, module.__name__
 
 
+def _recording(comm, seen: list):
+    """``comm`` with every buffer its ``allocate`` returns appended to ``seen``."""
+    real = comm.allocate
+
+    def allocate(*args, **kwargs):
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    comm.allocate = allocate
+    return comm
+
+
 def _check_one_rank_reduce_scatter(rank, world):
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     # one rank: FSDP2 alone; two: HSDP whose shard groups have one rank (the all-reduce across
@@ -140,10 +153,7 @@ def _check_one_rank_reduce_scatter(rank, world):
     default, spared = build(), build()
     allocations = {}
     for name, unit in (("block", spared[0]), ("root", spared)):
-        comm = priv.one_rank_reduce_scatter()
-        real, seen = comm.allocate, allocations.setdefault(name, [])
-        comm.allocate = lambda *a, _real=real, _seen=seen, **k: _seen.append(_real(*a, **k)) or _seen[-1]
-        unit.set_custom_reduce_scatter(comm)
+        unit.set_custom_reduce_scatter(_recording(priv.one_rank_reduce_scatter(), allocations.setdefault(name, [])))
     x = torch.randn(8, 32) + rank  # replicas see different data: the all-reduce must add them
     for model in (default, spared):
         model(x).square().sum().backward()
@@ -170,15 +180,78 @@ def test_one_rank_reduce_scatter_spares_fsdp2s_copy_and_keeps_the_bits():
     spawn(_check_one_rank_reduce_scatter, 2, backend="gloo")
 
 
-def test_one_rank_reduce_scatter_refuses_a_real_reduction():
-    class Group:
-        def size(self):
-            return 2
+def _check_one_rank_comm_call(rank, world):
+    """torch 2.9 calls the comm over one rank too: given the output as the input, a sum leaves it
+    alone; other calls are real reduce-scatters."""
+    import torch.distributed as dist
 
-    comm = priv.one_rank_reduce_scatter()
+    comm, group = priv.one_rank_reduce_scatter(), dist.group.WORLD
+    x = torch.arange(4.0 * world) + rank
+    if world == 1:
+        assert comm(x, x, group, dist.ReduceOp.SUM) is None and torch.equal(x, torch.arange(4.0))
+    out = torch.empty(4)
+    comm(out, x, group, dist.ReduceOp.SUM)
+    expected = sum(torch.arange(4.0 * world) + r for r in range(world)).chunk(world)[rank]
+    assert torch.equal(out, expected), (out, expected)
+
+
+def test_one_rank_reduce_scatter_called_by_fsdp2_reduces():
+    spawn(_check_one_rank_comm_call, 1, backend="gloo")
+    spawn(_check_one_rank_comm_call, 2, backend="gloo")
+
+
+def test_one_rank_reduce_scatter_pairs_only_a_live_input():
+    """A reduction that ended after its input's allocation (an error in FSDP2's copy-in) leaves
+    no pairing behind: the next allocation is a fresh input, not the old buffer."""
+    import gc
+
+    comm, cpu = priv.one_rank_reduce_scatter(), torch.device("cpu")
+    first = comm.allocate((8,), dtype=torch.float32, device=cpu)
+    del first  # the failed reduction's input, gone
+    gc.collect()
+    packed = comm.allocate((8,), dtype=torch.float32, device=cpu)  # a fresh input
+    assert comm.allocate((8,), dtype=torch.float32, device=cpu) is packed  # its output
+    assert comm.allocate((8,), dtype=torch.float32, device=cpu) is not packed  # the next input
+
+
+def _race_after_the_reduction(rank, world):
+    """FSDP2's work after the reduction (here: accumulating into existing gradients, and the
+    cast of BF16-reduced gradients to FP32), slowed down on its stream so that the next unit's
+    gradients would reuse the buffer under it if nothing held it."""
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives as collectives
+
+    real = collectives._to_dtype_if_needed
+
+    def slow(tensor, dtype):
+        torch.cuda._sleep(200_000_000)  # (on the reduce-scatter stream)
+        return real(tensor, dtype)
+
+    collectives._to_dtype_if_needed = slow
     try:
-        comm(torch.zeros(2), torch.zeros(4), Group(), None)
-    except AssertionError as e:
-        assert "over 2 ranks" in str(e) and "shard mesh has size 1" in str(e)
-    else:
-        raise RuntimeError("a real reduction went through OneRankReduceScatter")
+        for policy, backwards in ((None, 2), (MixedPrecisionPolicy(reduce_dtype=torch.bfloat16), 1)):
+            grads, paired = [], []
+            for spare in (False, True):
+                torch.manual_seed(0)
+                model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024, bias=False) for _ in range(4))).cuda()
+                for layer in [*model, model]:
+                    fully_shard(layer, **({"mp_policy": policy} if policy else {}))
+                    if spare:
+                        paired.append([])
+                        layer.set_custom_reduce_scatter(_recording(priv.one_rank_reduce_scatter(), paired[-1]))
+                x = torch.randn(256, 1024, device="cuda")
+                for k in range(backwards):
+                    model(x * (k + 1)).square().sum().backward()
+                torch.cuda.synchronize()
+                grads.append([p.grad.to_local().clone() for p in model.parameters()])
+            for a, b in zip(*grads, strict=True):
+                assert torch.equal(a, b), f"policy {policy}, {backwards} backward(s): a gradient differs"
+            for seen in paired[:4]:  # the blocks (the root holds no weights that take gradients here)
+                pairs = [seen[i + 1] is seen[i] for i in range(0, len(seen), 2)]
+                assert len(seen) == 2 * backwards and all(pairs), "the comm did not hand the input back on CUDA"
+    finally:
+        collectives._to_dtype_if_needed = real
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="streams: needs a CUDA GPU")
+def test_one_rank_reduce_scatter_keeps_the_buffer_for_work_after_the_reduction():
+    spawn(_race_after_the_reduction, 1, backend="nccl")
