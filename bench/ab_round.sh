@@ -96,16 +96,17 @@ pos=0
 for tree in ${ORDER:-new base new}; do
   pos=$((pos + 1))
   for what in ${AB:-trainer}; do
-    recipes=${RECIPE:-fp8}
-    [[ $what == trainer ]] || recipes=${recipes%% *}  # model_step and fsdp run FP8 once
-    for recipe in $recipes; do
+    read -ra recipes <<< "${RECIPE:-fp8}"
+    [[ $what == trainer ]] || recipes=("${recipes[0]}")  # model_step and fsdp run once
+    for recipe in "${recipes[@]}"; do
       suffix=""
-      [[ "${RECIPE:-fp8}" == *" "* ]] && suffix="-$recipe"
+      [[ "$(echo ${RECIPE:-fp8} | wc -w)" -gt 1 ]] && suffix="-$recipe"
       run "$what" "$tree" "$pos" "$recipe" "$suffix"
     done
   done
 done
-[[ "${BF16:-1}" != 0 && " ${AB:-trainer} " == *" trainer "* ]] && run trainer new bf16 bf16
+# (not where RECIPE already ran BF16 for each tree)
+[[ "${BF16:-1}" != 0 && " ${AB:-trainer} " == *" trainer "* && " ${RECIPE:-fp8} " != *" bf16 "* ]] && run trainer new bf16 bf16
 echo "== losses (the trainer's train records in metrics.jsonl, every digit: the trees' bits where the run repeats)"
 for d in /tmp/ab_run_trainer_*; do
   [[ -f $d/metrics.jsonl ]] || continue
