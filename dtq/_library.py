@@ -24,15 +24,22 @@ LIB = torch.library.Library("dtq", "FRAGMENT")  # module-level: the registration
 
 
 def define(
-    name: str, fn: Callable, fake: Callable, *, backward: Callable | None = None, setup_context: Callable | None = None
+    name: str,
+    fn: Callable,
+    fake: Callable,
+    *,
+    backward: Callable | None = None,
+    setup_context: Callable | None = None,
+    tags: tuple[torch.Tag, ...] = (),
 ) -> torch._ops.OpOverload:
     """``torch.ops.dtq.<name>.default`` running ``fn`` (schema inferred from its annotations),
     ``fake`` for shape inference, and ``backward`` / ``setup_context`` as its autograd formula
     (``backward(ctx, grads)``: ``grads`` a list, one per output; it returns one gradient per input,
     a list input's as a list or None; ``grads`` is one tensor for an op returning one). With a
-    formula, the op the graphs call is :func:`forward_op`."""
+    formula, the op the graphs call is :func:`forward_op`. ``tags``: the op's (e.g. inductor's
+    layout constraint on its inputs)."""
     schema = torch.library.infer_schema(fn, mutates_args=())
-    LIB.define(name + schema)
+    LIB.define(name + schema, tags=tags)
     LIB.impl(name, fn, "CompositeExplicitAutograd")
     torch.library.register_fake(f"dtq::{name}", fake, lib=LIB)
     op = getattr(torch.ops.dtq, name).default

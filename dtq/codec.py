@@ -125,12 +125,16 @@ class Codec:
         given iff ``needs_amax``; ``seed`` iff ``uses_rng``."""
         raise NotImplementedError
 
-    def traced_quantize(self, x: torch.Tensor, amax: torch.Tensor, transposed: bool = False) -> Payload | None:
+    def traced_quantize(
+        self, x: torch.Tensor, amax: torch.Tensor, transposed: bool = False, triton: bool = False
+    ) -> Payload | None:
         """:meth:`quantize`'s payload as plain tensor ops for a graph a compiler fuses into the
         kernels around it (inductor's decompositions, ``dtq.nn._fused_input``), bitwise
         ``quantize``'s however it is compiled: no data-dependent branch, every division correctly
         rounded. ``amax``: max|x| over the whole tensor; ``transposed``: also ``data_t``, the codes
-        [K, M]. None where the format has no such form (the caller then runs its op)."""
+        [K, M]; ``triton``: the graph compiles to Triton on sm_89+ (see ``_bits.cast_fp8``), whose
+        own conversions may stand in for ops that only other compilers need. None where the format
+        has no such form (the caller then runs its op)."""
         return None
 
     def dequantize(

@@ -47,12 +47,14 @@ class Float8Codec(Codec):
         data = _bits.cast_fp8(x.float() * scale, q.dtype)
         return {"data": data, "scale_inv": torch.reciprocal(scale)}
 
-    def traced_quantize(self, x: torch.Tensor, amax: torch.Tensor, transposed: bool = False) -> Payload | None:
+    def traced_quantize(
+        self, x: torch.Tensor, amax: torch.Tensor, transposed: bool = False, triton: bool = False
+    ) -> Payload | None:
         q = self.q
         if q.pow2_scales:
             return None
         scale = _bits.per_tensor_scale(amax, _bits.FP8_MAX[q.dtype], False, traced=True)
-        data = _bits.cast_fp8(x.float() * scale, q.dtype, traced=True)
+        data = _bits.cast_fp8(x.float() * scale, q.dtype, traced=True, triton=triton)
         out = {"data": data, "scale_inv": _bits.fp32_quotient(1.0, scale)}  # (scale <= FLT_MAX: no cap)
         if transposed:
             out["data_t"] = kernels.transposed_codes(data)

@@ -511,8 +511,13 @@ def _transposed_codes_fake(x: torch.Tensor) -> torch.Tensor:
 # kernel: inductor's own transposing copy of 1-byte codes runs at about half the bandwidth. Its
 # CUDA kernel is C++ (csrc/ops.cpp, registered when the extension loads): a compiled step calls
 # it about a hundred times, and this Python kernel then runs only until the extension is loaded
-# and for CPU tensors.
-transposed_codes = define("transposed_codes", _transposed_codes_impl, _transposed_codes_fake)
+# and for CPU tensors. Its input may have any strides (both kernels copy it contiguous first), and
+# says so to inductor (``flexible_layout``): under a stride constraint inductor gave the op a copy
+# of codes it had not stored yet, so the cast kernel that writes them for the GEMM stored them a
+# second time for the transpose.
+transposed_codes = define(
+    "transposed_codes", _transposed_codes_impl, _transposed_codes_fake, tags=(torch.Tag.flexible_layout,)
+)
 
 
 def swiglu(x: torch.Tensor, block: int, want_amax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -159,24 +159,37 @@ def _untraced():
 def _traced_payloads(q, layout: tuple, x: torch.Tensor, amax: torch.Tensor | None):
     """The distinct payload tensors of ``layout`` (``LinearPlan``'s) for ``x`` quantized by ``q``
     with max|x| ``amax``, as the codecs' plain ops (``Codec.traced_quantize``); NotImplemented
-    where a codec has none."""
-    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 9):
+    where a codec has none. A direction whose payload is bitwise another's (``Quantizer.aliases``:
+    per-tensor FP8's two directions) takes that one's tensors, so that the codes are cast and
+    stored once: traced apart, inductor's kernel stored them twice (once more for the [K, M] copy
+    ``data_t`` is transposed from)."""
+    cuda = x.device.type == "cuda"
+    if cuda and torch.cuda.get_device_capability(x.device) < (8, 9):
         return NotImplemented  # Triton has no FP8 conversions before sm_89; the ops emulate them
+    from torch._inductor import config as inductor_config
+
+    # Triton's conversion on NVIDIA GPUs is the reference cast (``_bits.cast_fp8``); elsewhere the
+    # cast keeps its clamp and NaN fix-up
+    triton = cuda and torch.version.hip is None and inductor_config.cuda_backend == "triton"
     x2 = x.reshape(-1, x.shape[-1])
     int_dtype = _bits._SAME_SIZE_INT.get(x2.dtype)
     if int_dtype is not None:  # x's stored values (see the module docstring)
         x2 = x2.view(int_dtype).view(x2.dtype)
     if amax is None:
         amax = _bits.stored_amax(x2)
+    directions = tuple(dict.fromkeys(d for d, _, _ in layout))
+    twin = q.aliases(directions)  # direction -> the earlier one whose payload it is, bitwise
+    wanted: dict = {}  # traced direction -> the fields it and its twins need
+    for d, k, _ in layout:
+        wanted.setdefault(twin.get(d, d), set()).add(k)
     payloads = {}
-    for d in dict.fromkeys(d for d, _, _ in layout):
-        fields = {k for e, k, _ in layout if e == d}
-        payload = q.codec(d).traced_quantize(x2, amax, transposed="data_t" in fields)
+    for d, fields in wanted.items():
+        payload = q.codec(d).traced_quantize(x2, amax, transposed="data_t" in fields, triton=triton)
         if payload is None or not fields <= set(payload):
             return NotImplemented
         payloads[d] = payload
     out: list[torch.Tensor] = []
     for d, k, i in layout:  # directions sharing a tensor (identical codes) take the first's
         if i == len(out):
-            out.append(payloads[d][k])
+            out.append(payloads[twin.get(d, d)][k])
     return out

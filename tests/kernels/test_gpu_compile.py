@@ -5,6 +5,8 @@ lists as CUDA-graph safe run under ``mode="reduce-overhead"`` with eager's losse
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -214,3 +216,41 @@ def test_inductor_runs_the_fp8_gemms_in_the_graph_on_cuda(wrap):
             calls = text.count("torch.ops.dtq.planned_weight.default(")
             assert calls == (8 if wrap else 4), calls
             assert "_scaled_mm" in text
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_tritons_fp8_conversion_is_the_reference_cast_for_every_fp32(dtype):
+    """What inductor's traced quantization compiles on CUDA (``_bits.cast_fp8(triton=True)``: the
+    plain conversion, no clamp, no NaN fix-up) against the reference cast, over all 2^32 fp32 bit
+    patterns: Triton's conversion saturates and turns every NaN (either sign) into 0x7F."""
+    from dtq import _bits
+
+    convert = torch.compile(lambda v: _bits.cast_fp8(v, dtype, triton=True), backend="inductor", fullgraph=True)
+    chunk = 1 << 26
+    for start in range(0, 1 << 32, chunk):
+        bits = torch.arange(start, start + chunk, device="cuda", dtype=torch.int64)
+        v = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+        want = _bits.cast_fp8(v, dtype).view(torch.uint8)
+        got = convert(v).view(torch.uint8)
+        if not torch.equal(got, want):
+            i = int((got != want).nonzero()[0, 0])
+            raise AssertionError(f"{dtype} 0x{start + i:08x}: want 0x{int(want[i]):02x}, got 0x{int(got[i]):02x}")
+
+
+def test_inductor_stores_each_fp8_quantization_once_on_cuda():
+    """Per-tensor FP8's two directions hold the same codes: the compiled graph casts and stores x
+    (and dy) once, for the GEMM and for the transposed copy dgrad and wgrad read. Traced one
+    direction at a time, inductor's cast kernel stored the codes twice (two FP8 buffers where one
+    does)."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = dtq.convert(torch.nn.Sequential(torch.nn.Linear(H, H, bias=False, device="cuda", dtype=torch.bfloat16)))
+    want = _step(model, _x(), ALL["fp8"](), 3)
+    got, code = run_and_get_code(_step, torch.compile(model, fullgraph=True), _x(), ALL["fp8"](), 3)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), i
+    text = "".join(code)
+    assert "torch.ops.dtq.transposed_codes" in text  # (dgrad's and wgrad's [K, M] codes)
+    # inductor's own FP8 buffers (the transposed copies and the weight's codes come from dtq's ops)
+    buffers = re.findall(r"= empty_strided_cuda\(.*(float8_e4m3fn|float8_e5m2)\)", text)
+    assert sorted(buffers) == ["float8_e4m3fn", "float8_e5m2"], buffers  # x's codes; dy's

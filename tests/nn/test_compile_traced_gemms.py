@@ -279,3 +279,33 @@ def test_a_compiled_call_on_an_integer_input_runs_as_eagerly():
         want = m(x)
         got = torch.compile(m, fullgraph=True, backend="aot_eager")(x)
     assert got.dtype == want.dtype and torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_the_traced_quantization_casts_twin_directions_once(dtype):
+    """Per-tensor FP8's columnwise payload is bitwise its rowwise one (``Quantizer.aliases``): the
+    traced quantization (``_fused_input._traced_payloads``, for a GPU plan whose columnwise reads
+    ``data_t``) casts x once and transposes those codes. Traced one direction at a time, inductor's
+    kernel stored the codes twice, the second copy only to be transposed. Bits: eager's."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dtq.codec import COLUMNWISE, ROWWISE
+    from dtq.nn import _fused_input
+
+    q = dtq.Float8Quantizer(dtype=dtype)
+    layout = ((ROWWISE, "data", 0), (ROWWISE, "scale_inv", 1), (COLUMNWISE, "data_t", 2), (COLUMNWISE, "scale_inv", 1))
+    x = torch.randn(24, 40, dtype=torch.bfloat16) * 100
+    x[0, :3] = torch.tensor([float("nan"), float("inf"), -1e30])
+    gm = make_fx(lambda x: _fused_input._traced_payloads(q, layout, x, None))(x)
+    casts = [
+        n
+        for n in gm.graph.nodes
+        if n.target in (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+        and n.meta["val"].dtype == dtype
+    ]
+    assert len(casts) == 1, gm.code
+    data, scale_inv, data_t = gm(x)
+    want = q.quantize(x).payload(ROWWISE)
+    assert data.view(torch.uint8).equal(want["data"].view(torch.uint8))
+    assert scale_inv.view(torch.int32).equal(want["scale_inv"].view(torch.int32))
+    assert data_t.view(torch.uint8).equal(want["data"].t().contiguous().view(torch.uint8))
