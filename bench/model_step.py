@@ -5,6 +5,7 @@ beside the trainer's own step time (``launch/train.py``, which wraps even one ra
 FP32 master weights), it shows what the wrapping costs.
 
     python bench/model_step.py --config launch/configs/llama1b_1gpu.toml bf16e bf16c fp8e fp8c
+    python bench/model_step.py fp8c --set model.layers=2 --top 40   # one block's kernels, quickly
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ def main() -> None:
     p.add_argument("--config", default="launch/configs/llama1b_1gpu.toml")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=14)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, as the trainer's")
     args = p.parse_args()
-    cfg = config.load(args.config, [])
+    cfg = config.load(args.config, args.set)
     for variant in args.variants:
         run(variant, cfg, args)
 
