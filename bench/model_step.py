@@ -1,8 +1,8 @@
 """The example trainer's model step without its FSDP2 wrapping, on one GPU: forward, loss,
 backward and fused AdamW on BF16 parameters, for BF16 and FP8 (per tensor), eager and with each
-block compiled; prints ms per step (wall and device) and each variant's costliest kernels. Set
-beside the trainer's own step time (``launch/train.py``, which wraps even one rank in FSDP2 with
-FP32 master weights), it shows what the wrapping costs.
+block compiled; prints ms per step (wall and device) and each variant's costliest kernels (ms per
+step, calls per step, µs per call). Set beside the trainer's own step time (``launch/train.py``,
+which wraps even one rank in FSDP2 with FP32 master weights), it shows what the wrapping costs.
 
     python bench/model_step.py --config launch/configs/llama1b_1gpu.toml bf16e bf16c fp8e fp8c
     python bench/model_step.py fp8c --set model.layers=2 --top 40   # one block's kernels, quickly
@@ -76,7 +76,8 @@ def run(variant: str, cfg, args) -> None:
     print(f"== {variant}: {ms:.1f} ms/step wall, {device_ms:.1f} ms/step device", flush=True)
     events.sort(key=lambda e: -e.self_device_time_total)
     for e in events[: args.top]:
-        print(f"   {e.self_device_time_total / 2e3:8.2f} ms {e.count / 2:5.0f}x  {e.key[:100]}")
+        per_call = e.self_device_time_total / max(e.count, 1)
+        print(f"   {e.self_device_time_total / 2e3:8.3f} ms {e.count / 2:5.0f}x {per_call:8.1f} us  {e.key[:100]}")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,9 @@ class Float8Codec(Codec):
         if q.pow2_scales:
             return None
         scale = _bits.per_tensor_scale(amax, _bits.FP8_MAX[q.dtype], False, traced=True)
+        # a view inductor lowers by storing its input: the scale is computed once, where a 0-dim
+        # value would be inlined and divided again (in fp64) for every element of the cast
+        scale = torch.as_strided(scale, (), ())
         data = _bits.cast_fp8(x.float() * scale, q.dtype, traced=True, triton=triton)
         out = {"data": data, "scale_inv": _bits.fp32_quotient(1.0, scale)}  # (scale <= FLT_MAX: no cap)
         if transposed:

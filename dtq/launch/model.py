@@ -64,7 +64,10 @@ class Attention(torch.nn.Module):
     def forward(self, x: torch.Tensor, rope: RotaryTable | None = None) -> torch.Tensor:
         qkv = self.qkv(x)  # [seq, batch, 3 * local hidden]: the whole sequence, under SP too
         t, b, n = qkv.shape
-        q, k, v = qkv.view(t, b, n // (3 * self.head_dim), 3, self.head_dim).permute(3, 1, 2, 0, 4)
+        # split, not unpacking: backward then concatenates the three gradients instead of summing
+        # three zero-filled ones (inductor's kernel read every source for every element)
+        heads = qkv.view(t, b, n // (3 * self.head_dim), 3, self.head_dim).split(1, dim=3)
+        q, k, v = (h.squeeze(3).permute(1, 2, 0, 3) for h in heads)  # [batch, heads, seq, head_dim]
         table = rope.table if rope is not None else None
         q, k = rotary(q, self.theta, table), rotary(k, self.theta, table)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [batch, heads, seq, head_dim]
