@@ -18,7 +18,8 @@ trainer do); dtq's GEMMs are custom ops inside those graphs. torchao rows use
 ``convert_to_float8_training`` (tensorwise and rowwise recipes), compiled the same way. Timing:
 CUDA events around ``--inner`` back-to-back steps after ``--warmup`` steps, median of ``--iters``
 samples (with ``--rounds R``: every variant built first, then timed in turn R times, all at once
-in memory). A variant that fails prints its error in its row; the others still run.
+in memory). GiB: each variant's own peak, above what was allocated before it was built. A variant
+that fails prints its error in its row; the others still run.
 """
 
 from __future__ import annotations
@@ -164,11 +165,28 @@ def sample(step, args, device, host: list | None = None) -> list[float]:
     return samples
 
 
+def memory_mark(device) -> int:
+    """Start a variant's peak-memory window: bytes allocated now (the input, the base model and,
+    in an interleaved run, every variant built before, which stays alive to be timed in turn)."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def own_peak_gib(device, mark: int) -> float:
+    """The variant's own peak since ``memory_mark``: its model copy, optimizer state, activations
+    and workspaces, without what was allocated before it (which, counted in, made every later
+    variant of an interleaved run look larger by the earlier variants' models)."""
+    return (torch.cuda.max_memory_allocated() - mark) / 2**30 if device.type == "cuda" else 0.0
+
+
 def time_variant(build, recipe, x, args, device) -> dict:
+    mark = memory_mark(device)
     step = prepare(build, recipe, x, args, device)
     host: list[float] = []
     samples = sample(step, args, device, host)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    peak = own_peak_gib(device, mark)
     if args.profile:
         print_kernels(step, device, args.profile)
     if args.gaps and device.type == "cuda":
@@ -182,15 +200,15 @@ def time_variant(build, recipe, x, args, device) -> dict:
 def time_interleaved(variants: dict, x, args, device) -> dict:
     """``--rounds`` > 1: every variant is built and warmed up first, then timed in turn, round after
     round, so that drift (clocks, temperature, the allocator) spreads over all of them alike; the
-    median over all rounds' samples. Peak memory is each variant's during its warm-up."""
+    median over all rounds' samples. Peak memory is each variant's own during its warm-up
+    (:func:`own_peak_gib`)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     steps, rows = {}, {}
     for name, (build, recipe) in variants.items():
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+        mark = memory_mark(device)
         try:
             steps[name] = prepare(build, recipe, x, args, device)
-            peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+            peak = own_peak_gib(device, mark)
             rows[name] = {"samples": [], "peak_gib": peak}
         except Exception as e:  # noqa: BLE001 - report and go on with the other variants
             rows[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
@@ -449,7 +467,6 @@ def main() -> None:
             torch._dynamo.reset()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
             try:
                 rows[name] = time_variant(build, recipe, x, args, device)
             except Exception as e:  # noqa: BLE001 - report and go on with the other variants
