@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -170,6 +171,7 @@ def memory_mark(device) -> int:
     in an interleaved run, every variant built before, which stays alive to be timed in turn)."""
     if device.type != "cuda":
         return 0
+    gc.collect()  # (an earlier variant's model left in a reference cycle would be freed inside the window)
     torch.cuda.reset_peak_memory_stats()
     return torch.cuda.memory_allocated()
 
