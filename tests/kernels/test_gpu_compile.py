@@ -237,19 +237,25 @@ def test_tritons_fp8_conversion_is_the_reference_cast_for_every_fp32(dtype):
             raise AssertionError(f"{dtype} 0x{start + i:08x}: want 0x{int(want[i]):02x}, got 0x{int(got[i]):02x}")
 
 
+def _fp8_linear_code(seed: int) -> str:
+    """Inductor's generated code for an FP8 step of a converted Linear, after checking that the
+    compiled step's output and gradients are eager's, bit for bit."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = dtq.convert(torch.nn.Sequential(torch.nn.Linear(H, H, bias=False, device="cuda", dtype=torch.bfloat16)))
+    want = _step(model, _x(), ALL["fp8"](), seed)
+    got, code = run_and_get_code(_step, torch.compile(model, fullgraph=True), _x(), ALL["fp8"](), seed)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), i
+    return "".join(code)
+
+
 def test_inductor_stores_each_fp8_quantization_once_on_cuda():
     """Per-tensor FP8's two directions hold the same codes: the compiled graph casts and stores x
     (and dy) once, for the GEMM and for the transposed copy dgrad and wgrad read. Traced one
     direction at a time, inductor's cast kernel stored the codes twice (two FP8 buffers where one
     does)."""
-    from torch._inductor.utils import run_and_get_code
-
-    model = dtq.convert(torch.nn.Sequential(torch.nn.Linear(H, H, bias=False, device="cuda", dtype=torch.bfloat16)))
-    want = _step(model, _x(), ALL["fp8"](), 3)
-    got, code = run_and_get_code(_step, torch.compile(model, fullgraph=True), _x(), ALL["fp8"](), 3)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert torch.equal(a, b), i
-    text = "".join(code)
+    text = _fp8_linear_code(seed=3)
     assert "torch.ops.dtq.transposed_codes" in text  # (dgrad's and wgrad's [K, M] codes)
     # inductor's own FP8 buffers (the transposed copies and the weight's codes come from dtq's ops)
     buffers = re.findall(r"= empty_strided_cuda\(.*(float8_e4m3fn|float8_e5m2)\)", text)
@@ -262,14 +268,7 @@ def test_inductors_fp8_casts_take_the_scale_computed_once_on_cuda():
     (about 7 us more on an [8192, 6144] gradient on an H200). ``Float8Codec.traced_quantize``
     stores it first, so no kernel that writes FP8 codes computes in float64, and the bits stay
     eager's."""
-    from torch._inductor.utils import run_and_get_code
-
-    model = dtq.convert(torch.nn.Sequential(torch.nn.Linear(H, H, bias=False, device="cuda", dtype=torch.bfloat16)))
-    want = _step(model, _x(), ALL["fp8"](), 4)
-    got, code = run_and_get_code(_step, torch.compile(model, fullgraph=True), _x(), ALL["fp8"](), 4)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert torch.equal(a, b), i
-    kernels_src = [k.split("'''")[1] for k in "".join(code).split("async_compile.triton(")[1:]]
+    kernels_src = [k.split("'''")[1] for k in _fp8_linear_code(seed=4).split("async_compile.triton(")[1:]]
     casts = [k for k in kernels_src if re.search(r"\.to\(tl\.float8", k)]
     assert casts, "no Triton kernel writes FP8 codes"
     assert not [k for k in casts if "tl.float64" in k], [k[:200] for k in casts if "tl.float64" in k]

@@ -211,28 +211,21 @@ def test_attention_backward_concatenates_qkvs_gradients():
     select each), backward summed three zero-filled gradients, and inductor's amax over qkv's
     gradient read every source for every element (42 against 53 us a layer at the 1.07 B shapes
     on an H200)."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
     from dtq.launch.config import ModelConfig
     from dtq.launch.model import Attention
-
-    backward_ops: list = []  # (op, output shape)
-
-    def fw(gm, _):
-        return make_boxed_func(gm.forward)
-
-    def bw(gm, _):
-        for n in gm.graph.nodes:
-            if n.op == "call_function":
-                val = n.meta.get("val")
-                backward_ops.append((str(n.target), tuple(val.shape) if isinstance(val, torch.Tensor) else None))
-        return make_boxed_func(gm.forward)
+    from tests._aot import capturing_backend
 
     torch.manual_seed(0)
     attn = Attention(ModelConfig(hidden=64, heads=2, ffn_hidden=128, layers=1, seq_len=8), "attn")
     x = torch.randn(8, 2, 64, requires_grad=True)
-    torch.compile(attn, backend=aot_autograd(fw_compiler=fw, bw_compiler=bw), fullgraph=True)(x).sum().backward()
+    backend, graphs = capturing_backend()
+    torch.compile(attn, backend=backend, fullgraph=True)(x).sum().backward()
+    _, backward = graphs
+    backward_ops = [  # (op, output shape)
+        (str(n.target), tuple(n.meta["val"].shape) if isinstance(n.meta.get("val"), torch.Tensor) else None)
+        for n in backward.graph.nodes
+        if n.op == "call_function"
+    ]
     assert not [op for op, _ in backward_ops if "select_backward" in op], backward_ops
     # (RoPE's backward has a concatenation of its own, of q's and k's halves)
     assert ("aten.cat.default", (8, 2, 2, 3, 32)) in backward_ops, backward_ops

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import dtq
+from tests._aot import capturing_backend
 from tests._recipe_matrix import RECIPES
 
 H = 64
@@ -120,18 +121,10 @@ def test_compiled_plain_calls_run_their_plans_with_amaxes_from_the_graph(recipe)
     kept fields, e.g. FP8 codes written transposed on a GPU), and the tensor-wide amaxes of its
     input and of dy are computed in the graph (where inductor fuses them into the kernels that
     produce those tensors) and handed to the ops. Delayed scaling takes neither."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    graphs = []
-
-    def keep(gm, _):
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
-
+    backend, graphs = capturing_backend()
     r = ALL[recipe]()
     model = _make("converted_block", r)
-    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
     x = torch.randn(2, 16, H)
     want = _step(_make("converted_block", r), x, r, seed=0)
     got = _step(compiled, x, r, seed=0)
