@@ -70,6 +70,57 @@ __global__ void __launch_bounds__(kThreads) amax_flat_kernel(const T* __restrict
   block_max_atomic(m, out);
 }
 
+// The one-rank FSDP2 gather's cast (dtq.parallel.fsdp): y = x cast to y's dtype, and max|y| (the
+// amax a per-tensor quantization of y takes, as amax_flat_kernel computes it on y) from the same
+// pass, so that a GEMM quantizing the gathered weight need not read it again for its scale.
+template <typename D>
+__global__ void __launch_bounds__(kThreads) cast_amax_kernel(const float* __restrict__ x, D* __restrict__ y, int64_t n,
+                                                             uint32_t* out, int vec) {
+  uint32_t m = 0;
+  const int64_t stride = int64_t(gridDim.x) * kThreads;
+  int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (vec) {  // 4 fp32 in (16 bytes), 4 elements out
+    const float4* xv = reinterpret_cast<const float4*>(x);
+    Pack<D, 4>* yv = reinterpret_cast<Pack<D, 4>*>(y);
+    const int64_t nv = n / 4;
+    for (; i + 3 * stride < nv; i += 4 * stride) {  // four independent 16-byte loads in flight
+      float4 r[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) r[u] = __ldg(xv + i + u * stride);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        Pack<D, 4> o;
+        from_f32(&o.v[0], r[u].x);
+        from_f32(&o.v[1], r[u].y);
+        from_f32(&o.v[2], r[u].z);
+        from_f32(&o.v[3], r[u].w);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) m = umax(m, abs_bits(to_f32(o.v[j])));
+        yv[i + u * stride] = o;
+      }
+    }
+    for (; i < nv; i += stride) {
+      const float4 r = __ldg(xv + i);
+      Pack<D, 4> o;
+      from_f32(&o.v[0], r.x);
+      from_f32(&o.v[1], r.y);
+      from_f32(&o.v[2], r.z);
+      from_f32(&o.v[3], r.w);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) m = umax(m, abs_bits(to_f32(o.v[j])));
+      yv[i] = o;
+    }
+  } else {
+    for (; i < n; i += stride) {
+      D o;
+      from_f32(&o, x[i]);
+      m = umax(m, abs_bits(to_f32(o)));
+      y[i] = o;
+    }
+  }
+  block_max_atomic(m, out);
+}
+
 // One thread: a 16-row group x W consecutive columns (W = one 16-byte vector, or 1).
 template <typename T, int W>
 __global__ void __launch_bounds__(kThreads) amax_hadamard_kernel(const T* __restrict__ x, int64_t M, int64_t K,
@@ -302,6 +353,34 @@ void amax_x(const at::Tensor& x, const at::Tensor& out) {
     case at::kHalf: launch<__half>(x, o, true, -1); break;
     default: TORCH_CHECK(false, "dtq kernels: unsupported input dtype ", x.scalar_type());
   }
+}
+
+// y = x cast to y's dtype (bf16 or fp16; x contiguous fp32 of y's size) and max|y| into one fp32
+// CUDA value (its bit pattern, zeroed here), from one read of x.
+void cast_amax(const at::Tensor& x, const at::Tensor& y, const at::Tensor& out) {
+  TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "dtq kernels: cast_amax reads a contiguous fp32 CUDA tensor");
+  TORCH_CHECK(y.is_cuda() && y.is_contiguous() && y.numel() == x.numel() && y.device() == x.device() &&
+                  (y.scalar_type() == at::kBFloat16 || y.scalar_type() == at::kHalf),
+              "dtq kernels: cast_amax writes a contiguous bf16 or fp16 tensor of x's size on x's device");
+  TORCH_CHECK(out.is_cuda() && out.scalar_type() == at::kFloat && out.numel() == 1,
+              "dtq kernels: cast_amax out is one fp32");
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  uint32_t* o = reinterpret_cast<uint32_t*>(out.data_ptr());
+  C10_CUDA_CHECK(cudaMemsetAsync(o, 0, sizeof(uint32_t), stream));
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  const float* p = reinterpret_cast<const float*>(x.data_ptr());
+  const int vec = n % 4 == 0 && (reinterpret_cast<uintptr_t>(p) & 15) == 0 &&
+                  (reinterpret_cast<uintptr_t>(y.data_ptr()) & (4 * y.element_size() - 1)) == 0;
+  const int grid = grid_for(vec ? n / 16 : n);
+  if (y.scalar_type() == at::kBFloat16)
+    cast_amax_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(
+        p, reinterpret_cast<__nv_bfloat16*>(y.data_ptr()), n, o, vec);
+  else
+    cast_amax_kernel<__half><<<grid, kThreads, 0, stream>>>(p, reinterpret_cast<__half*>(y.data_ptr()), n, o, vec);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // hist: the fp32 history (at most kMaxHistory entries), updated in place. x (a contiguous 2-D CUDA

@@ -8,6 +8,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Up to two direction payloads of a [M, K] tensor from one read (slot configs: see csrc/common.cuh); false: "
         "nothing launched, run the reference");
   m.def("amax", &dtq::amax, "Tensor-wide max|x| and/or max|T x| (16-row Hadamard) into int32[2] bit patterns");
+  m.def("cast_amax", &dtq::cast_amax, "y = x cast to y's dtype and max|y| as one fp32, from one read of x");
   m.def("axis_amax", &dtq::axis_amax, "max|x| of every row and/or every column into int32 bit patterns");
   m.def("delayed_amax", &dtq::delayed_amax,
         "Delayed scaling's amax from an fp32 history, which then shifts and takes max|x| (or cur) as its newest entry");

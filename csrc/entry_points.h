@@ -13,6 +13,7 @@ bool quantize_fused(const at::Tensor& x, const std::vector<int64_t>& cfg_a, cons
                     const c10::optional<at::Tensor>& seed);
 void amax(const at::Tensor& x, const at::Tensor& out, bool want_x, int64_t signs);
 void amax_x(const at::Tensor& x, const at::Tensor& out);
+void cast_amax(const at::Tensor& x, const at::Tensor& y, const at::Tensor& out);
 std::vector<at::Tensor> delayed_amax(const c10::optional<at::Tensor>& x, const c10::optional<at::Tensor>& cur,
                                      const at::Tensor& hist, int64_t skip, bool most_recent, double factor);
 void axis_amax(const at::Tensor& x, const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& cols);

@@ -29,7 +29,8 @@ constexpr int64_t kAmaxX = 1;  // quantize_alloc's amax mode: x's tensor-wide ma
 
 // One quantize_alloc launch as dtq/kernels QuantizeLaunch prepares it, with the output positions
 // of the payload fields the GEMMs read. given_a / given_b: the slot reads the producer's amax when
-// the call has one (LinearPlan's x_known directions; both slots of a transposed-codes launch).
+// the call has one (LinearPlan's x_known, w_known and g_known directions; both slots of a
+// transposed-codes launch).
 struct Launch {
   bool present = false;
   std::vector<int64_t> cfg_a, fields_a, cfg_b, fields_b;
@@ -194,10 +195,12 @@ std::vector<at::Tensor> input_payloads(const Launch& l, const at::Tensor& x, con
   return outs;
 }
 
-// The weight's launch outputs (LinearPlan.quantize_weight's payloads).
-std::vector<at::Tensor> weight_payloads(const Plan& p, const at::Tensor& w_data) {
+// The weight's launch outputs (LinearPlan.quantize_weight's payloads); known: max|w| where its
+// gather computed it (LinearPlan.w_known's directions).
+std::vector<at::Tensor> weight_payloads(const Plan& p, const at::Tensor& w_data,
+                                        const c10::optional<at::Tensor>& known = c10::nullopt) {
   const at::Tensor w2 = (w_data.dim() == 2 ? w_data : w_data.reshape({-1, w_data.size(-1)})).contiguous();
-  return quantize(p.w, w2, c10::nullopt);
+  return quantize(p.w, w2, known);
 }
 
 using torch::autograd::AutogradContext;
@@ -311,7 +314,7 @@ std::vector<at::Tensor> native_quantize(const at::Tensor& t, const c10::optional
                                         int64_t which) {
   const Plan& p = plan_at(id);
   TORCH_CHECK(which >= 0 && which <= 2, "dtq native linear: no launch ", which);
-  if (which == 1) return weight_payloads(p, t);
+  if (which == 1) return weight_payloads(p, t, known);
   const Launch& l = which == 0 ? p.x : p.g;
   TORCH_CHECK(l.present, "dtq native linear: plan ", id, " has no launch ", which);
   return quantize(l, (t.dim() == 2 ? t : t.reshape({-1, t.size(-1)})).contiguous(), known);

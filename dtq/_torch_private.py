@@ -281,3 +281,70 @@ def one_rank_reduce_scatter():
             return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
     return OneRankReduceScatter()
+
+
+def one_rank_gathers(module: torch.nn.Module, cast) -> int:
+    """Let FSDP2 gather the plain parameters of ``module``'s groups that shard over one rank with
+    ``cast(shard, out)``: one pass from each shard into its unsharded parameter. Over one rank
+    FSDP2 (2.10-2.13, ``FSDPParamGroup.wait_for_unshard``) casts each shard into a new tensor
+    (``FSDPParam.all_gather_inputs``) and copies that into the parameter's gather output; here
+    ``all_gather_inputs`` writes the gather output itself and hands it back, so the copy is a
+    self-copy, which ``Tensor.copy_`` skips. ``cast`` writes ``out`` (FSDP2's gather output, of
+    the parameter dtype) from ``shard`` (the flat local shard: the whole parameter) as
+    ``out.copy_(shard)`` would. The parameters' class becomes a subclass of FSDP2's ``FSDPParam``
+    that overrides that property. Parameters with an all-gather extension, offloaded to the CPU,
+    or in a group that reshards to a smaller mesh after forward keep FSDP2's path. Returns how
+    many parameters take the one-pass cast."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+
+    state = module._get_fsdp_state()
+    count = 0
+    for group in _param_groups(state):
+        if group._use_post_forward_mesh:
+            continue
+        if isinstance(group.mesh_info, FSDPMeshInfo) and group.mesh_info.shard_process_group.size() != 1:
+            continue
+        for fsdp_param in group.fsdp_params:
+            if fsdp_param.offload_to_cpu or hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather"):
+                continue
+            fsdp_param.__class__ = _one_rank_param_class(type(fsdp_param), cast)
+            count += 1
+    return count
+
+
+_ONE_RANK_CLASSES: dict = {}  # (FSDPParam class, cast) -> its one-rank subclass
+
+
+def _one_rank_param_class(base: type, cast) -> type:
+    if getattr(base, "_dtq_one_rank_cast", None) is cast:
+        return base
+    base = getattr(base, "_dtq_one_rank_base", base)
+    cls = _ONE_RANK_CLASSES.get((base, cast))
+    if cls is not None:
+        return cls
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState, alloc_storage
+
+    own = base.all_gather_inputs.fget
+
+    def all_gather_inputs(self) -> list[torch.Tensor]:
+        if self.sharded_state != ShardedState.SHARDED or torch.compiler.is_compiling():
+            return own(self)  # (a graph that traces FSDP2's hooks: its own ops)
+        shard = self._sharded_param_data
+        self.init_all_gather_outputs([shard.numel()], [self.param_dtype or shard.dtype], 1, self.device)
+        out = self.all_gather_outputs[0]
+        alloc_storage(out)
+        with torch.no_grad():
+            cast(shard, out)
+        return [out]
+
+    doc = "FSDP2's FSDPParam whose one-rank gather casts the shard into the gather output (dtq)."
+    attrs = {"all_gather_inputs": property(all_gather_inputs), "_dtq_one_rank_cast": cast}
+    cls = type(f"OneRank{base.__name__}", (base,), {**attrs, "_dtq_one_rank_base": base, "__doc__": doc})
+    _ONE_RANK_CLASSES[(base, cast)] = cls
+    return cls
+
+
+def unversioned_write(t: torch.Tensor):
+    """A context in which writes into ``t`` leave its version counter as it was: a gather's
+    refill of memory autograd has seen (FSDP2 writes its gather outputs so)."""
+    return torch.autograd._unsafe_preserve_version_counter(t)

@@ -1,10 +1,12 @@
 """GEMM weights as parameters: :class:`HighPrecisionWeight` (a high-precision weight whose FSDP2
-all-gather moves quantized payloads) and :func:`local_data`, the one way dtq unwraps a parameter
-(DTensor shard, HighPrecisionWeight) to the tensor that holds its values."""
+all-gather moves quantized payloads), :func:`local_data`, the one way dtq unwraps a parameter
+(DTensor shard, HighPrecisionWeight) to the tensor that holds its values, and the max|w| a gather
+took of the weight it wrote (:func:`remember_gathered_amax`, :func:`gathered_amax`)."""
 
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 from torch.utils._pytree import tree_map
@@ -190,3 +192,41 @@ def local_data(p: torch.Tensor) -> torch.Tensor:
     """The tensor holding parameter ``p``'s values on this rank: a DTensor's local shard, unwrapped
     from a :class:`HighPrecisionWeight` (a QuantizedTensor stays one)."""
     return unwrap(local_tensor(p))
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# data_ptr of a gathered weight -> (a reference to it, its version, numel, max|w| as a 0-dim fp32)
+_GATHERED: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+_PRUNE_AT = [1024]  # entries past which those of freed or moved memory go (FSDP2 refills each step)
+
+
+def remember_gathered_amax(t: torch.Tensor, amax: torch.Tensor) -> None:
+    """Keep ``amax`` = max|t| for the contiguous ``t`` a gather has just written (FSDP2's one-rank
+    cast, ``dtq.parallel.fsdp``), for the GEMMs that quantize ``t`` per tensor: the same bits as
+    their own amax pass, without reading ``t`` again. (Once per weight and gather: kept lean.)"""
+    ptr = t.data_ptr()
+    _GATHERED[ptr] = (weakref.ref(t), t._version, t.numel(), amax)
+    if len(_GATHERED) > _PRUNE_AT[0]:
+        for key, (ref, *_) in list(_GATHERED.items()):
+            if (held := ref()) is None or held.data_ptr() != key:
+                del _GATHERED[key]
+        _PRUNE_AT[0] = max(1024, 2 * len(_GATHERED))
+
+
+def gathered_amax(w: torch.Tensor) -> torch.Tensor | None:
+    """max|w| as :func:`remember_gathered_amax` kept it, where ``w`` (the gathered tensor or a
+    contiguous view of all of it) still holds what the gather wrote: the same memory, and no
+    write since (the version counter ``w`` shares with it); None otherwise. Writes that bypass
+    version counters (through ``.data``, or under ``_unsafe_preserve_version_counter``) are not
+    seen, as torch's own saved-tensor checks do not see them."""
+    if not _GATHERED or type(w) not in _PLAIN or torch.compiler.is_compiling():
+        return None  # (a subclass or a traced tensor: no memory of its own to look up)
+    ptr = w.data_ptr()
+    kept = _GATHERED.get(ptr)
+    if kept is None:
+        return None
+    ref, version, numel, amax = kept
+    t = ref()
+    if t is None or w._version != version or t._version != version or t.data_ptr() != ptr:
+        return None
+    return amax if w.numel() == numel and w.is_contiguous() else None

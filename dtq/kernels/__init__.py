@@ -315,6 +315,15 @@ def amax(x: torch.Tensor, want_x: bool, hadamard_signs: int | None) -> tuple[tor
     return f[0], f[1]
 
 
+def cast_amax(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``y.copy_(x)`` of a contiguous fp32 CUDA ``x`` into a contiguous bf16 or fp16 ``y`` of its
+    size, and max|y| as a 0-dim fp32 tensor (the bits :func:`amax` takes from ``y``), from one read
+    of ``x``: a gather's cast that also gives the gathered weight's per-tensor amax."""
+    out = torch.empty((), dtype=torch.float32, device=x.device)  # the kernel zeroes it first
+    extension().cast_amax(x, y, out)
+    return out
+
+
 MAX_HISTORY = 8192  # the longest amax history delayed_amax takes (csrc/amax.cu kMaxHistory)
 
 

@@ -129,4 +129,7 @@ def parallelize(
     if dp["dp"].size() == 1:  # FSDP2 over one rank would copy every packed gradient once more
         for unit in [*model.blocks, model]:
             unit.set_custom_reduce_scatter(_torch_private.one_rank_reduce_scatter())
+        # and cast every weight twice (into a new tensor, then into the parameter) where one pass,
+        # taking the max|w| its GEMMs quantize with, does
+        dtq.parallel.one_rank_gathers(model, amax=recipe is not None)
     return model

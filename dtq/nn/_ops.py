@@ -29,7 +29,7 @@ from dtq.nn.gemm_state import GemmCall, GemmHandle, GemmSlots, content_key, temp
 from dtq.nn.linear_plan import LinearPlan, shape_plan
 from dtq.tensor import QUANTIZED, QuantizedTensor
 from dtq.tensor_ops import implements
-from dtq.weights import unwrap
+from dtq.weights import gathered_amax, unwrap
 
 
 def _unaliased(flat: list, inputs: tuple) -> list:
@@ -571,13 +571,16 @@ def _planned_weight_impl(
     (:func:`_begin`, which a graph must not skip) and its high-precision weight quantized with
     dtq's kernel as eager quantizes it (``LinearPlan.w_layout``'s distinct tensors). ``flags``:
     the call's :class:`CallFlags` code; ``tokens``: the rows of its input (the weight's plan is
-    that of the 2-D input ``[tokens, weight.shape[1]]``: the same quantization)."""
+    that of the 2-D input ``[tokens, weight.shape[1]]``: the same quantization). Where the
+    weight's gather took its max|w| (:func:`dtq.weights.gathered_amax`), the quantization takes
+    that instead of reading the weight for it: the same bits."""
     f = call_flags(flags)
     _begin(handle, key, f.no_grad_trainable, f.recompute_only, True)
     plan = _weight_plan(weight, key, f, tokens)
-    if (native := linear_native.payloads(plan, linear_native.WEIGHT, weight)) is not None:
+    w_amax = gathered_amax(weight) if plan.w_known else None
+    if (native := linear_native.payloads(plan, linear_native.WEIGHT, weight, w_amax)) is not None:
         return native  # (fresh tensors: the launch's outputs)
-    return _unaliased(plan.quantize_weight(weight), (weight,))
+    return _unaliased(plan.quantize_weight(weight, w_amax), (weight,))
 
 
 def _planned_weight_fake(weight, handle, key, flags, tokens):

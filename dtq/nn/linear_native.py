@@ -52,7 +52,7 @@ def native_id(plan: LinearPlan) -> int | None:
         return None
     call = plan.call
     x = _launch_ints(plan.qx, plan.x2d, plan.x_dtype, plan.device, plan.x_known)
-    w = _launch_ints(plan.qw, plan.w2d, plan.w_dtype, plan.device, ())
+    w = _launch_ints(plan.qw, plan.w2d, plan.w_dtype, plan.device, plan.w_known)
     g = _launch_ints(plan.qg, plan.g2d, plan.x_dtype, plan.device, plan.g_known) if plan.qg is not None else [0]
     if x is None or w is None or g is None:
         return None
@@ -158,7 +158,7 @@ def payloads(
     plan: LinearPlan, which: int, t: torch.Tensor, known: torch.Tensor | None = None
 ) -> list[torch.Tensor] | None:
     """The compiled path's quantize ops through the kernel library: ``plan.quantize_input(t,
-    known)`` (``which`` INPUT), ``quantize_weight(t)`` (WEIGHT) or ``quantize_grad(t, known)``
+    known)`` (``which`` INPUT), ``quantize_weight(t, known)`` (WEIGHT) or ``quantize_grad(t, known)``
     (GRAD), the same launch with the same bits and outputs. Each is one op call per GEMM and step
     whose Python (the quantize plan's, and the launch's list arguments) is most of its host time.
     None where the plan is not one the C++ function runs, or the Python path must look at
@@ -169,7 +169,8 @@ def payloads(
     order = _OUTPUTS[native][which]
     if order is None:
         return None
-    known, ok = _known(known, plan.x_known if which == INPUT else plan.g_known if which == GRAD else (), t.device)
+    dirs = plan.x_known if which == INPUT else plan.g_known if which == GRAD else plan.w_known
+    known, ok = _known(known, dirs, t.device)
     if not ok:
         return None
     outs = kernels.extension().native_quantize(t, known, native, which)

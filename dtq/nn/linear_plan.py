@@ -36,6 +36,7 @@ from dtq.gemm import Operand, bind, select, transposed_reads
 from dtq.nn._linear_fn import check_weight_columnwise, once_differentiable_lean
 from dtq.nn.slot import tensor_amax_directions
 from dtq.tensor import QUANTIZED
+from dtq.weights import gathered_amax
 
 if TYPE_CHECKING:
     from dtq.nn.gemm_state import GemmCall
@@ -70,6 +71,7 @@ class LinearPlan:
         "w_layout",
         "g_layout",
         "x_known",
+        "w_known",
         "g_known",
         "fprop",
         "fprop_bias",
@@ -122,6 +124,8 @@ class LinearPlan:
         self.g_layout = _tensor_layout(self.qg.empty(self.g2d, meta, x_dtype)) if self.qg is not None else ()
         # the directions of x and dy whose amax a producer's max|x| / max|dy| stands for
         self.x_known, self.g_known = _tensor_amax_dirs(self.qx, self.x2d), _tensor_amax_dirs(self.qg, self.g2d)
+        # and of a high-precision weight whose max|w| its gather took (dtq.weights.gathered_amax)
+        self.w_known = _tensor_amax_dirs(self.qw, self.w2d)
         # fprop's GEMM bound on first use, one per output dtype: with a bias it writes fp32 (the
         # bias is added before the one rounding); plans of a slots template serve modules with
         # and without one (a compiled graph's)
@@ -185,7 +189,8 @@ class LinearPlan:
         elif w_payloads is not None:
             pw = _fields(w_payloads, self.w_layout)
         else:
-            pw = _run(self.qw, as_2d(wl, self.w_quantizer))
+            w_amax = gathered_amax(wl) if self.w_known else None
+            pw = _run(self.qw, as_2d(wl, self.w_quantizer), self.w_known, w_amax)
         fprop = self.fprop if bias is None else self.fprop_bias
         if fprop is None:
             fprop = self._bind_forward(px, pw, x, wl, bias)
@@ -208,10 +213,11 @@ class LinearPlan:
         px = _run(self.qx, x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), self.x_known, x_amax)
         return _distinct(px, self.x_layout)
 
-    def quantize_weight(self, wl: torch.Tensor) -> list[torch.Tensor]:
+    def quantize_weight(self, wl: torch.Tensor, w_amax: torch.Tensor | None = None) -> list[torch.Tensor]:
         """A high-precision weight's payloads as :meth:`forward` computes them, as the list
-        ``w_layout`` describes (the compiled path's ``dtq::planned_weight``)."""
-        return _distinct(_run(self.qw, as_2d(wl, self.w_quantizer)), self.w_layout)
+        ``w_layout`` describes (the compiled path's ``dtq::planned_weight``); ``w_amax``: max|w|
+        where the weight's gather took it (for the ``w_known`` directions)."""
+        return _distinct(_run(self.qw, as_2d(wl, self.w_quantizer), self.w_known, w_amax), self.w_layout)
 
     def empty_weight(self, device: torch.device) -> list[torch.Tensor]:
         """What :meth:`quantize_weight` returns, empty."""

@@ -196,8 +196,13 @@ def _history_kernel_input(hist: torch.Tensor, x: torch.Tensor | None, cur: torch
 def tensor_amax_directions(q, directions, shape: tuple[int, int]) -> tuple[str, ...]:
     """The ``directions`` of quantizer ``q`` whose scale derives from max|x| over the whole [M, K]
     tensor (current scaling): those an amax its producer computed stands for. The one rule for the
-    general path (``Slot._known_amax``) and planned calls (``LinearPlan.x_known``)."""
-    return tuple(d for d in directions if _scales_from_tensor_amax(q.codec(d), shape))
+    general path (``Slot._known_amax``) and planned calls (``LinearPlan.x_known``). Not the
+    columnwise direction of a hybrid quantized from its dequantized rowwise payload: its amax is
+    taken over those values, not over x."""
+    derived = q.columnwise_from_rowwise()
+    return tuple(
+        d for d in directions if _scales_from_tensor_amax(q.codec(d), shape) and not (derived and d == COLUMNWISE)
+    )
 
 
 def _scales_from_tensor_amax(codec, shape: tuple[int, int]) -> bool:

@@ -1,9 +1,16 @@
-"""The distributed API for users: tensor/sequence-parallel styles, ``precompute_amax`` and
-``gather_high_precision`` for FSDP2, master-weight casts, CPU offload and byte counters. It stands
-on :mod:`dtq.nn`; the collectives that dtq modules run themselves are in :mod:`dtq.distributed`."""
+"""The distributed API for users: tensor/sequence-parallel styles, ``precompute_amax``,
+``gather_high_precision`` and ``one_rank_gathers`` for FSDP2, master-weight casts, CPU offload and
+byte counters. It stands on :mod:`dtq.nn`; the collectives that dtq modules run themselves are in
+:mod:`dtq.distributed`."""
 
 from dtq.distributed.comm import comm_stats
-from dtq.parallel.fsdp import HighPrecisionWeight, gather_high_precision, precompute_amax, resolve_quantized_gather
+from dtq.parallel.fsdp import (
+    HighPrecisionWeight,
+    gather_high_precision,
+    one_rank_gathers,
+    precompute_amax,
+    resolve_quantized_gather,
+)
 from dtq.parallel.master import FlatSlice, quantize_master_weights
 from dtq.parallel.offload import offload
 from dtq.parallel.styles import ColwiseParallel, LayerNormMLPParallel, RowwiseParallel
@@ -14,6 +21,7 @@ __all__ = [
     "precompute_amax",
     "gather_high_precision",
     "resolve_quantized_gather",
+    "one_rank_gathers",
     "HighPrecisionWeight",
     "FlatSlice",
     "quantize_master_weights",

@@ -1,7 +1,9 @@
 """``precompute_amax``: the global amaxes of every FSDP2-sharded high-precision dtq weight in one
 all-reduce per process group, reused by the all-gathers (:mod:`dtq.distributed.gather`) until the
 weight changes. ``gather_high_precision``: the opt-out, weights that FSDP2 gathers unquantized;
-``resolve_quantized_gather``: which of the two a ``quantized_gather`` setting ("auto") means here."""
+``resolve_quantized_gather``: which of the two a ``quantized_gather`` setting ("auto") means here;
+``one_rank_gathers``: FSDP2 over one rank casting each weight into its unsharded parameter in one
+pass that also takes the max|w| its GEMMs quantize with."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from dtq import _torch_private, kernels
 from dtq._torch_private import fsdp_gather_dtype, fsdp_holds, fsdp_shard_group, gather_context
 from dtq.autocast import active_recipe
 from dtq.codec import DIRECTIONS
@@ -21,9 +24,15 @@ from dtq.distributed.gather import amax_key
 from dtq.distributed.world import check_launched_world
 from dtq.nn.module import QuantizedModule
 from dtq.tensor import QuantizedTensor
-from dtq.weights import HighPrecisionWeight, local_data, local_tensor, unwrap
+from dtq.weights import HighPrecisionWeight, local_data, local_tensor, remember_gathered_amax, unwrap
 
-__all__ = ["precompute_amax", "gather_high_precision", "resolve_quantized_gather", "HighPrecisionWeight"]
+__all__ = [
+    "precompute_amax",
+    "gather_high_precision",
+    "resolve_quantized_gather",
+    "one_rank_gathers",
+    "HighPrecisionWeight",
+]
 
 _SPANS_HOSTS: dict = {}  # a group's global ranks -> whether they run on several hosts
 
@@ -102,6 +111,45 @@ def gather_high_precision(model: torch.nn.Module) -> list[str]:
             if p is not None and id(p) in new:
                 setattr(module, leaf, new[id(p)])
     return changed
+
+
+def one_rank_gathers(model: torch.nn.Module, *, amax: bool = True) -> int:
+    """Make FSDP2 gather the plain parameters it shards over one rank (one GPU, or HSDP replicas
+    of one rank each) in one pass: each FP32 shard cast straight into its unsharded parameter, and,
+    with ``amax``, max|w| of the cast weight taken in the same pass (dtq's kernel on a GPU) and
+    kept for the per-tensor quantization of the GEMMs that read it (``dtq.weights.gathered_amax``:
+    compiled GEMMs, and eager ones on the Python plan; not yet the eager C++ function), which then
+    skip their own amax pass over the weight. FSDP2
+    itself, over one rank, casts each shard into a new tensor and copies that into the parameter
+    (torch 2.10-2.13); the bits are the same either way. Call it after ``fully_shard`` on every
+    unit (``model`` and its submodules are searched); ``amax=False`` for runs that quantize no
+    GEMM. Returns how many parameters it changed."""
+    cast = _cast_amax if amax else _cast
+    count = 0
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            count += _torch_private.one_rank_gathers(module, cast)
+    return count
+
+
+def _cast(shard: torch.Tensor, out: torch.Tensor) -> None:
+    with _torch_private.unversioned_write(out):
+        out.copy_(shard)
+
+
+def _cast_amax(shard: torch.Tensor, out: torch.Tensor) -> None:
+    """``out.copy_(shard)`` and max|out| kept for its GEMMs: dtq's one-pass kernel for fp32 into
+    bf16 / fp16 on a GPU, else a copy then the reduction (``Codec.local_amax``'s value). Only
+    16-bit outputs of an fp32 shard keep an amax (elsewhere the GEMM's own pass costs the same)."""
+    if shard.dtype != torch.float32 or out.dtype not in (torch.bfloat16, torch.float16):
+        return _cast(shard, out)
+    if out.is_cuda and kernels.available(out.device) and shard.is_contiguous() and out.is_contiguous():
+        amax = kernels.cast_amax(shard, out)  # (no version bump: the kernel writes out's memory)
+    else:
+        with _torch_private.unversioned_write(out):
+            out.copy_(shard)
+        amax = out.abs().amax().to(torch.float32) if out.numel() else torch.zeros((), device=out.device)
+    remember_gathered_amax(out, amax)
 
 
 @torch.no_grad()

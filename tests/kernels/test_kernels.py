@@ -475,3 +475,27 @@ def test_the_transposed_codes_op_runs_a_cpp_kernel_on_cuda(monkeypatch):
                 (x.view(torch.uint8) if x.element_size() == 1 else x).t().contiguous(),
             )
             assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n, offset", [(1, 0), (7, 0), (4096, 0), (4096, 1), (2**20 + 12, 0), (65537, 3)])
+def test_cast_amax_is_torchs_cast_and_the_amax_of_its_result(n, offset, dtype):
+    """The one-rank gather's cast: the bits of ``y.copy_(x)`` and of :func:`kernels.amax` of ``y``
+    (NaN winning), from fp32 values that round at midpoints, overflow the 16-bit type, are
+    subnormal there, and from unaligned tensors (``offset``: the scalar loop)."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n + offset, generator=g) * torch.logspace(-30, 30, n + offset)
+    x[::97] = torch.tensor(1.0 + 2.0**-8)  # a bf16 midpoint (rounds to even)
+    x[1::89] = torch.tensor(1e-41)  # fp32 subnormal
+    x[2::101] = float("inf")
+    x = x.cuda()[offset:]
+    for nan in (False, True):
+        if nan and n > 3:
+            x[3] = float("nan")
+        y = torch.empty(n, dtype=dtype, device="cuda")
+        amax = kernels.cast_amax(x, y)
+        assert _same_bits(y, x.to(dtype)), (n, offset, dtype)  # (a NaN's payload aside)
+        want = kernels.amax(y.reshape(1, -1), True, None)[0]
+        assert amax.shape == () and amax.dtype == torch.float32
+        assert torch.equal(_bits(amax.reshape(1)), _bits(want.reshape(1))), (amax, want)

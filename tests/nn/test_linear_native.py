@@ -107,10 +107,10 @@ def test_a_plan_with_both_gradients_is_described_as_its_python_forward_runs_it(f
         assert (launch["mode_a"], launch["mode_b"], launch["signs"]) == (*qp.launch.modes, qp.launch.signs)
     # the C++ function saves x's codes and scale, then the weight's: LinearPlan.forward's order
     assert plan.x_fields == plan.w_fields == ("data_t", "scale_inv")
-    # a producer's max|x| (max|dy|: the compiled quantize_grad's) stands for both slots of x's (dy's)
-    # launch (rowwise and [K, M] codes); the weight's amax is always its launch's own
-    assert plan.x_known == plan.g_known == ("rowwise",)
-    assert (x["given_a"], x["given_b"], w["given_a"], w["given_b"], g["given_a"], g["given_b"]) == (1, 1, 0, 0, 1, 1)
+    # a producer's max|x| (max|dy|: the compiled quantize_grad's; max|w|: the weight's one-rank
+    # gather's) stands for both slots of its launch (rowwise and [K, M] codes)
+    assert plan.x_known == plan.w_known == plan.g_known == ("rowwise",)
+    assert (x["given_a"], x["given_b"], w["given_a"], w["given_b"], g["given_a"], g["given_b"]) == (1, 1, 1, 1, 1, 1)
 
 
 @pytest.mark.parametrize("grads", [(True, True), (True, False), (False, False)])
@@ -119,12 +119,12 @@ def test_the_compiled_quantize_ops_return_the_launch_outputs_in_their_layouts(gr
     through the library: each launch's outputs listed as the plan's Python lists the distinct
     payload tensors (``x_layout``, ``w_layout``, ``g_layout``): rowwise codes, their scale (shared
     with the [K, M] codes), [K, M] codes where a backward GEMM reads them; a producer's amax passed
-    on where the launch reads one (x and dy, not the weight)."""
+    on where the launch reads one (x, dy, and the weight: its gather's max|w|)."""
     calls = []
     plan, registered = _plan(monkeypatch, dtq.Float8CurrentScaling(), *grads, calls=calls)
     amax = torch.tensor(3.0)
     cases = [(linear_native.INPUT, plan.qx, plan.x_layout, plan.x_known)]
-    cases.append((linear_native.WEIGHT, plan.qw, plan.w_layout, ()))
+    cases.append((linear_native.WEIGHT, plan.qw, plan.w_layout, plan.w_known))
     if plan.qg is not None:
         cases.append((linear_native.GRAD, plan.qg, plan.g_layout, plan.g_known))
     for which, qp, layout, known in cases:

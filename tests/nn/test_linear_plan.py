@@ -328,3 +328,15 @@ def test_fsdp2_training_planned_equals_general_2_ranks():
     from dtq.testing import spawn
 
     spawn(_check_fsdp2_planned_equals_general, 2, backend="gloo")
+
+
+def test_a_hybrid_quantized_from_its_rowwise_payload_takes_no_producers_amax_columnwise():
+    # its columnwise amax is taken over the dequantized rowwise values, not over x: a producer's
+    # max|x| (or a gather's max|w|) stands for the rowwise direction only (it stood for both before)
+    from dtq.nn.slot import tensor_amax_directions
+
+    rows, cols = dtq.Float8Quantizer(), dtq.Float8Quantizer()
+    dirs, shape = ("rowwise", "columnwise"), (32, 64)
+    assert tensor_amax_directions(dtq.HybridQuantizer(rowwise=rows, columnwise=cols), dirs, shape) == dirs
+    derived = dtq.HybridQuantizer(rowwise=rows, columnwise=cols, columnwise_source="rowwise_dequantized")
+    assert tensor_amax_directions(derived, dirs, shape) == ("rowwise",)

@@ -260,3 +260,51 @@ def _race_after_the_reduction(rank, world):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="streams: needs a CUDA GPU")
 def test_one_rank_reduce_scatter_keeps_the_buffer_for_work_after_the_reduction():
     spawn(_race_after_the_reduction, 1, backend="nccl")
+
+
+def _check_one_rank_gathers(rank, world):
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    shape, names = ((1,), None) if world == 1 else ((world, 1), ("replicate", "shard"))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(), torch.nn.Linear(48, 16))
+    fully_shard(model[0], mesh=mesh, mp_policy=policy, reshard_after_forward=False)  # (one gather each)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    casts, copies = [], []
+
+    def cast(shard, out):
+        out.copy_(shard)
+        casts.append((out.data_ptr(), out.clone()))  # (FSDP2 frees the output when it reshards)
+
+    assert priv.one_rank_gathers(model[0], cast) + priv.one_rank_gathers(model, cast) == 4
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):  # FSDP2's copy of each gather input into its output
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.copy_.default:  # (pointers now: FSDP2 frees outputs when it reshards)
+                copies.append((args[0].data_ptr(), args[1].dtype, args[0] is args[1]))
+            return func(*args, **(kwargs or {}))
+
+    with Copies():
+        model(torch.randn(8, 32)).sum().backward()
+    # FSDPParamGroup.wait_for_unshard over one rank: each parameter's gather input is read from
+    # FSDPParam.all_gather_inputs, then copied into its gather output, which the unsharded
+    # parameter views; the one-rank class writes the output itself, so the copy is a self-copy
+    assert len(casts) == 4, f"FSDP2's one-rank gather no longer reads FSDPParam.all_gather_inputs ({len(casts)})"
+    ptrs = {ptr for ptr, _ in casts}
+    into = [(dtype, same) for ptr, dtype, same in copies if ptr in ptrs]
+    assert into.count((torch.float32, False)) == 4, into  # cast's own (the mode sees the copies)
+    assert into == [(torch.float32, False), (torch.bfloat16, True)] * 4, f"FSDP2's copies into the outputs: {into}"
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(), torch.nn.Linear(48, 16))
+    outs = sorted((out for _, out in casts), key=lambda t: t.numel())
+    for out, p in zip(outs, sorted(ref.parameters(), key=lambda t: t.numel()), strict=True):
+        assert torch.equal(out.view(torch.int16), p.detach().reshape(-1).to(torch.bfloat16).view(torch.int16))
+
+
+def test_one_rank_gathers_write_fsdp2s_gather_output_once():
+    """``priv.one_rank_gathers``: FSDP2 (one rank, or HSDP with shard groups of one) takes every
+    parameter's gather input from the one-rank class's property, which has written the gather
+    output itself; FSDP2's copy into the output is then a self-copy (which ``copy_`` skips)."""
+    spawn(_check_one_rank_gathers, 1, backend="gloo")
+    spawn(_check_one_rank_gathers, 2, backend="gloo")
