@@ -23,7 +23,8 @@
 # and then the trainer once under BF16 for the ratio (BF16=0: not). Every run imports the tree
 # under test (bench/ copied to /tmp, so the checkout's own dtq/ is not on the path) with
 # inductor's caches off: a cached graph would hide a change to a decomposition. Logs in $OUT,
-# named <run>-<tree>-<position in ORDER>.txt (-<recipe> appended where RECIPE names several);
+# named <run>-<tree>-<position in ORDER>.txt (-<recipe> appended where RECIPE names several), each
+# opening with a host probe (ns a Python dict lookup, just before the run: the lease's host speed);
 # the last lines print every trainer run's losses (all digits, from its metrics.jsonl: the GPU
 # trainer is not bitwise repeatable run to run, so compare trees over repeated runs,
 # ORDER="new new base base") and every run's figures.
@@ -76,17 +77,25 @@ run() {  # run <what> <tree> <position> <recipe> [log name suffix]
   local what=$1 tree=$2 pos=$3 recipe=$4 path=$ROOT log so=${DTQ_KERNEL_LIBRARY:-}
   [[ $tree == base ]] && path=$ROOT/.ab_base && so=${BASE_SO:-$so}
   log="$OUT/$what-$tree-$pos${5:-}.txt"
+  # the lease's Python speed just before the run: leases differ by up to 2x in host speed, and a
+  # slow one makes a host-bound FP8 step slow (compare runs of similar probes only)
+  python3 -c 'import time
+d = {i: i for i in range(64)}
+t = time.perf_counter()
+for i in range(1_000_000):
+    d.get(i & 63)
+print(f"host probe {(time.perf_counter() - t) * 1e3:.0f} ns a lookup")' > "$log"
   case $what in
     trainer)
       (cd /tmp && DTQ_KERNEL_LIBRARY="$so" PYTHONPATH="$SITE$path" python3 -m dtq.launch.train --config "$CONFIG" --recipe "$recipe" \
         --set train.steps="${STEPS:-30}" --set train.log_every=10 --set train.eval_every=0 \
         --set train.checkpoint_every=0 --set train.compile="${COMPILE:-true}" \
-        --out-dir "/tmp/ab_run_${what}_${tree}_${pos}_${recipe}" --overwrite > "$log" 2>&1) ;;
+        --out-dir "/tmp/ab_run_${what}_${tree}_${pos}_${recipe}" --overwrite >> "$log" 2>&1) ;;
     model_step)
-      (cd /tmp && DTQ_KERNEL_LIBRARY="$so" PYTHONPATH="$SITE$path" python3 /tmp/ab_bench/model_step.py --config "$CONFIG" fp8c > "$log" 2>&1) ;;
+      (cd /tmp && DTQ_KERNEL_LIBRARY="$so" PYTHONPATH="$SITE$path" python3 /tmp/ab_bench/model_step.py --config "$CONFIG" fp8c >> "$log" 2>&1) ;;
     fsdp)
       (cd /tmp && DTQ_KERNEL_LIBRARY="$so" PYTHONPATH="$SITE$path" torchrun --standalone --nproc-per-node 1 /tmp/ab_bench/bench_fsdp.py \
-        --preset 1b --backward-thread caller --modes "dtq fp8 (bf16 gather) compiled" > "$log" 2>&1) ;;
+        --preset 1b --backward-thread caller --modes "dtq fp8 (bf16 gather) compiled" >> "$log" 2>&1) ;;
     *) echo "unknown AB entry $what (trainer, model_step, fsdp)" >&2; return 2 ;;
   esac
   echo "$what $tree ($pos) rc=$? after $(( $(date +%s) - start )) s"
@@ -118,5 +127,5 @@ done
 echo "== figures"
 for f in "$OUT"/trainer-*.txt "$OUT"/model_step-*.txt "$OUT"/fsdp-*.txt; do
   [[ -f $f ]] || continue
-  echo "$(basename "$f" .txt): $(grep -hoE '[0-9,.]+ ms/step( wall)?|host ms by rank [0-9.]+' "$f" | tr '\n' ' ')"
+  echo "$(basename "$f" .txt): $(grep -hoE 'host probe [0-9]+ ns|[0-9,.]+ ms/step( wall)?|host ms by rank [0-9.]+' "$f" | tr '\n' ' ')"
 done
