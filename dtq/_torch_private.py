@@ -212,6 +212,15 @@ def register_opaque_reference(cls: type) -> None:
         opaque_object.register_opaque_type(cls, typ="reference")
 
 
+def assume_constant_result(fn):
+    """``torch._dynamo.assume_constant_result``: dynamo calls ``fn`` while tracing and bakes its
+    result into the graph. The decorator only marks the function (``_dynamo_marked_constant``);
+    marking it here spares ``import dtq`` the import of ``torch._dynamo`` (about 1.1 s of every
+    process, every spawned test rank included), which a process that never compiles does not need."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 def register_foreach_type(cls: type) -> None:
     """Let torch's optimizers pick their multi-tensor (foreach) kernels for parameters of tensor
     subclass ``cls``, as DTensor registers itself. Without it, AdamW's default on a GPU runs its

@@ -30,12 +30,13 @@ import torch
 
 from dtq import _bits, kernels
 from dtq._library import forward_op
+from dtq._torch_private import assume_constant_result
 from dtq.nn import _ops
 
 _registered = False
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def register() -> bool:
     """Put the decompositions into inductor's table (once; run where a dtq module is traced, so
     importing dtq does not import inductor)."""

@@ -21,7 +21,7 @@ import torch
 from dtq import kernels
 from dtq._bits import stored_amax
 from dtq._library import define, forward_op
-from dtq._torch_private import in_backward
+from dtq._torch_private import assume_constant_result, in_backward
 from dtq.formats import COLUMNWISE, ROWWISE
 from dtq.nn import _handoff, linear_native
 from dtq.nn import _linear_fn as lf
@@ -156,7 +156,7 @@ def _layout(
     return specs
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def plain_template(key: int) -> bool:
     """Whether calls of the slots template ``key`` run planned (``GemmSlots.plannable``): a graph
     constant, decided where the graph is traced. A template's slots have no amax histories: the
@@ -165,7 +165,7 @@ def plain_template(key: int) -> bool:
     return t.plannable and not t.recipe.delayed
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def takes_tensor_amax(key: int, slot: str) -> bool:
     """Whether the ``slot`` ("input" or "grad_output") of template ``key`` scales from a
     tensor-wide max|x| (``Slot.takes_tensor_amax``): a planned compiled call then computes it in
@@ -523,7 +523,7 @@ def _quantize_grad_fake(dy, dy_amax, key, flags, in_features):
     return _grad_plan(dy, key, flags, in_features).empty_grad(dy)
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def quantizes_grad_apart(key: int) -> bool:
     """Whether a planned compiled call of template ``key`` quantizes dy with :func:`quantize_grad`:
     not where the gradient format rounds stochastically (its seed is drawn inside the GEMMs' op)."""
@@ -554,7 +554,7 @@ def _quantize_input_fake(x, x_amax, key, flags, out_features):
     return _input_plan(x, key, flags, out_features).empty_input(x)
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def quantizes_input_apart(key: int) -> bool:
     """Whether a planned compiled call of template ``key`` quantizes its input with
     :func:`quantize_input` (merged between GEMMs that read one x): not where the input format

@@ -22,6 +22,7 @@ import torch
 from dtq._torch_private import (
     GatherContext,
     OpaqueBase,
+    assume_constant_result,
     checkpoint_region,
     in_backward,
     inside_checkpoint_forward,
@@ -389,7 +390,7 @@ _template_keys: dict = {}
 _TEMPLATES: dict[int, GemmSlots] = {}
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def template_key(recipe_key: int, module_type: str, name: str, suffix: str, gemm: int) -> int:
     """The number of the slots template of one GEMM under a recipe: its quantizers (and roles,
     for messages) without any module's state; what a compiled graph is traced with (a constant:

@@ -112,3 +112,12 @@ def test_the_first_kernel_build_says_so_on_stderr(tmp_path, monkeypatch, capsys)
     assert after.startswith("dtq: CUDA kernels built in ")
     monkeypatch.setattr(kernels, "_ext", None)  # another process: the library is there
     assert kernels.extension() is built and capsys.readouterr().err == ""
+
+
+def test_importing_dtq_leaves_dynamo_unimported():
+    """``import dtq`` does not import ``torch._dynamo`` (about 1 s of every process: each spawned
+    test rank, each torchrun worker): dtq marks its constant functions itself
+    (``dtq._torch_private.assume_constant_result``); compiling imports dynamo when it is needed."""
+    code = "import sys, dtq; print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -308,3 +308,31 @@ def test_one_rank_gathers_write_fsdp2s_gather_output_once():
     output itself; FSDP2's copy into the output is then a self-copy (which ``copy_`` skips)."""
     spawn(_check_one_rank_gathers, 1, backend="gloo")
     spawn(_check_one_rank_gathers, 2, backend="gloo")
+
+
+def test_dtqs_constant_mark_is_the_one_dynamo_sets():
+    """``priv.assume_constant_result`` marks a function as ``torch._dynamo.assume_constant_result``
+    does (without importing dynamo), and dynamo then runs it while tracing, not in the graph."""
+
+    def theirs():
+        return 3
+
+    def ours():
+        return 3
+
+    torch._dynamo.assume_constant_result(theirs)
+    priv.assume_constant_result(ours)
+    assert theirs.__dict__ == ours.__dict__ == {"_dynamo_marked_constant": True}, (theirs.__dict__, ours.__dict__)
+    calls = []
+
+    @priv.assume_constant_result
+    def scale():
+        calls.append(1)
+        return 2.0
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x * scale(), backend="eager", fullgraph=True)
+    x = torch.ones(3)
+    assert torch.equal(f(x), x * 2) and torch.equal(f(x), x * 2)
+    assert len(calls) == 1, calls  # (called once, at tracing: its result is a constant of the graph)
+    torch._dynamo.reset()
