@@ -285,8 +285,9 @@ def _check_one_rank_gathers(rank, world):
                 copies.append((args[0].data_ptr(), args[1].dtype, args[0] is args[1]))
             return func(*args, **(kwargs or {}))
 
-    with Copies():
-        model(torch.randn(8, 32)).sum().backward()
+    with Copies():  # (forward only: the gathers; after backward frees the outputs their memory is reused)
+        y = model(torch.randn(8, 32))
+    y.sum().backward()
     # FSDPParamGroup.wait_for_unshard over one rank: each parameter's gather input is read from
     # FSDPParam.all_gather_inputs, then copied into its gather output, which the unsharded
     # parameter views; the one-rank class writes the output itself, so the copy is a self-copy
