@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 enabled = True
 
 _WEIGHT_TYPES = (torch.Tensor, torch.nn.Parameter, HighPrecisionWeight)
+# what the compiled quantize ops launch on: a graph's inputs are plain tensors, and parameters
+# (a compiled module's own weight, FSDP2's unsharded parameter) as they are; other subclasses
+# keep the Python path
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def native_of(plan: LinearPlan) -> int | None:
@@ -164,7 +168,7 @@ def payloads(
     None where the plan is not one the C++ function runs, or the Python path must look at
     ``known`` (not the 0-dim fp32 the launch reads: it then says what is wrong)."""
     native = native_of(plan)
-    if native is None or type(t) is not torch.Tensor:
+    if native is None or type(t) not in _PLAIN:
         return None
     order = _OUTPUTS[native][which]
     if order is None:

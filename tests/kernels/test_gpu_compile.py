@@ -183,13 +183,25 @@ def test_inductor_fuses_the_fp8_input_quantization_on_cuda():
 
 
 @pytest.mark.parametrize("wrap", [None, "checkpoint"])
-def test_inductor_runs_the_fp8_gemms_in_the_graph_on_cuda(wrap):
+def test_inductor_runs_the_fp8_gemms_in_the_graph_on_cuda(wrap, monkeypatch):
     """FP8 per-tensor calls on high-precision weights run torch's scaled GEMMs from the compiled
     graph (``dtq.nn._fused_input``): no ``dtq::linear_fw`` / ``linear_backward`` call, one
-    ``dtq::planned_weight`` per GEMM, and eager's bits, also when a checkpoint around the
-    compiled block recomputes it."""
+    ``dtq::planned_weight`` per GEMM, which quantizes the weight with the kernel library's one
+    launch, and eager's bits, also when a checkpoint around the compiled block recomputes it."""
     from torch._inductor.utils import run_and_get_code
 
+    from dtq.nn import linear_native
+
+    launched = []  # per planned_weight call: whether the library's launch ran it
+    payloads = linear_native.payloads
+
+    def spy(plan, which, t, known=None):
+        out = payloads(plan, which, t, known)
+        if which == linear_native.WEIGHT:
+            launched.append((type(t).__name__, out is not None))
+        return out
+
+    monkeypatch.setattr(linear_native, "payloads", spy)
     r = ALL["fp8"]()
     ckpt = (lambda m, x: torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False)) if wrap else None
 
@@ -216,6 +228,7 @@ def test_inductor_runs_the_fp8_gemms_in_the_graph_on_cuda(wrap):
             calls = text.count("torch.ops.dtq.planned_weight.default(")
             assert calls == (8 if wrap else 4), calls
             assert "_scaled_mm" in text
+    assert launched and all(ran for _, ran in launched), launched
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])

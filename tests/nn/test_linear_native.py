@@ -17,6 +17,7 @@ from dtq import kernels
 from dtq.nn import linear_native
 from dtq.nn.linear_plan import LinearPlan
 from dtq.presets import recipe_from_name
+from dtq.weights import HighPrecisionWeight
 
 
 @pytest.fixture(autouse=True)
@@ -137,10 +138,13 @@ def test_the_compiled_quantize_ops_return_the_launch_outputs_in_their_layouts(gr
         expect = {linear_native.INPUT: grads[1], linear_native.WEIGHT: grads[0], linear_native.GRAD: grads[1]}[which]
         assert [names[int(t)] for t in got] == ["data", "scale_inv", "data_t"][: 3 if expect else 2]
         assert calls[-1] == (which, amax if known else None)
-    # a tensor of another kind (a graph passes plain tensors), or an amax the launch does not read
-    # as it is, keeps the Python path (which checks it and says what is wrong)
+    # a parameter takes the launch (a compiled graph is handed a module's weight and FSDP2's
+    # unsharded parameter as they are: nn.Parameter); a tensor of another kind, or an amax the
+    # launch does not read as it is, keeps the Python path (which checks it and says what is wrong)
     weight = torch.nn.Parameter(torch.empty(128, 64, dtype=torch.bfloat16))
-    assert linear_native.payloads(plan, linear_native.WEIGHT, weight) is None
+    got = linear_native.payloads(plan, linear_native.WEIGHT, weight, amax)
+    assert got is not None and calls[-1] == (linear_native.WEIGHT, amax)
+    assert linear_native.payloads(plan, linear_native.WEIGHT, HighPrecisionWeight(weight.detach())) is None
     x = torch.empty(64, 64, dtype=torch.bfloat16)
     assert linear_native.payloads(plan, linear_native.INPUT, x, torch.tensor([3.0])) is None
     assert linear_native.payloads(plan, linear_native.INPUT, x, amax.double()) is None

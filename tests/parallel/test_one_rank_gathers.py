@@ -13,7 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import dtq
 from dtq import kernels
-from dtq.nn import _ops, linear_plan
+from dtq.nn import _ops, linear_native, linear_plan
 from dtq.testing import spawn
 from dtq.weights import gathered_amax, remember_gathered_amax
 from tests._recipe_matrix import RECIPES
@@ -40,8 +40,9 @@ def _model(fused: bool, raf: bool, compiled: bool, device: str) -> torch.nn.Sequ
     dtq.parallel.gather_high_precision(model)  # plain weights, as the trainer gathers them on one host
     mesh = init_device_mesh(device, (1,))
     for block in model:
-        if compiled:
-            block.compile(backend="aot_eager", fullgraph=True)
+        if compiled:  # (on a GPU as the trainer compiles: inductor runs the FP8 GEMMs in the graph,
+            # its weights quantized by dtq::planned_weight)
+            block.compile(backend="inductor" if device == "cuda" else "aot_eager", fullgraph=True)
         fully_shard(block, mesh=mesh, reshard_after_forward=raf, mp_policy=BF16)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=BF16)
     if fused:
@@ -73,10 +74,19 @@ def _check_bits(rank, world, device="cpu"):
     """Every recipe (and those whose weights scale from max|w| also compiled, and without
     resharding after forward): the fused one-rank gather trains bit for bit as FSDP2's own;
     per-tensor FP8 GEMMs took every weight's kept amax."""
-    taken = []
+    taken, launched = [], []
     spied = {linear_plan: linear_plan.gathered_amax, _ops: _ops.gathered_amax}
     for module, real in spied.items():
         module.gathered_amax = lambda w, _real=real: taken.append(a := _real(w)) or a
+    payloads = linear_native.payloads
+
+    def spy(plan, which, t, known=None):  # the compiled weight quantizations: which ran the launch
+        out = payloads(plan, which, t, known)
+        if which == linear_native.WEIGHT:
+            launched.append((type(t).__name__, known is not None, out is not None))
+        return out
+
+    linear_native.payloads = spy
     try:
         for recipe_name, factory in RECIPES.items():
             # the cast is the same for every recipe; the kept amax matters where a weight direction
@@ -86,6 +96,7 @@ def _check_bits(rank, world, device="cpu"):
                 recipe = factory()
                 want = _train(_model(False, raf, compiled, device), recipe, device)
                 taken.clear()
+                launched.clear()
                 got = _train(_model(True, raf, compiled, device), recipe, device)
                 config = (recipe_name, dict(reshard_after_forward=raf, compiled=compiled))
                 for i, (a, b) in enumerate(zip(_bits(got), _bits(want), strict=True)):
@@ -96,7 +107,12 @@ def _check_bits(rank, world, device="cpu"):
                     # function, which takes its own amax)
                     found = [a is not None for a in taken]
                     assert found and all(found), (*config, found)
+                if recipe_name == "fp8" and device == "cuda" and compiled:
+                    # FSDP2's unsharded weight (an nn.Parameter) quantized by the kernel library's
+                    # one launch, given the kept amax (not the Python plan's launches)
+                    assert launched and all(r == ("Parameter", True, True) for r in launched), (*config, launched)
     finally:
+        linear_native.payloads = payloads
         for module, real in spied.items():
             module.gathered_amax = real
 
