@@ -158,11 +158,14 @@ def _shard(m, world):
     return m
 
 
-def _save_sharded(rank, world, path, quantized_params, recipe="hybrid"):
-    m = _shard(_model(0, quantized_params, _recipe(recipe)), world)
-    with dtq.autocast(_recipe(recipe)):
-        m(torch.randn(T, H, device=_dev())).sum().backward()  # a gathered, used model saves the same
-    _save(m.state_dict(), path, asynchronous=quantized_params)
+def _save_sharded(rank, world, cases):
+    """Each ``(path, quantized_params, recipe)`` of ``cases`` saved from ``world`` ranks (one spawn
+    for all of them: the ranks' start-up is most of a case's time)."""
+    for path, quantized_params, recipe in cases:
+        m = _shard(_model(0, quantized_params, _recipe(recipe)), world)
+        with dtq.autocast(_recipe(recipe)):
+            m(torch.randn(T, H, device=_dev())).sum().backward()  # a gathered, used model saves the same
+        _save(m.state_dict(), path, asynchronous=quantized_params)
 
 
 def _save(state, path, asynchronous: bool) -> None:
@@ -177,7 +180,12 @@ def _save(state, path, asynchronous: bool) -> None:
     dist.destroy_process_group(group)
 
 
-def _load_sharded(rank, world, path, quantized_params, recipe="hybrid"):
+def _load_sharded(rank, world, cases):
+    for path, quantized_params, recipe in cases:
+        _load_one(rank, world, path, quantized_params, recipe)
+
+
+def _load_one(rank, world, path, quantized_params, recipe):
     m = _shard(_model(1, quantized_params, _recipe(recipe)), world)
     sd = m.state_dict()
     dcp.load(sd, checkpoint_id=path)
@@ -200,16 +208,21 @@ def _load_sharded(rank, world, path, quantized_params, recipe="hybrid"):
             assert torch.equal(full, q.detach()), n
 
 
-@pytest.mark.parametrize("quantized_params,recipe", [(False, "hybrid"), (True, "hybrid"), (True, "fp8_row")])
-def test_resharded_loads_4_to_2_to_1(tmp_path, quantized_params, recipe):
-    path = str(tmp_path / "ckpt")
-    spawn(_save_sharded, 4, path, quantized_params, recipe)
-    spawn(_load_sharded, 2, path, quantized_params, recipe)
-    one = _model(1, quantized_params, _recipe(recipe))
-    sd = one.state_dict()
-    dcp.load(sd, checkpoint_id=path)
-    one.load_state_dict(sd)
-    _same_weights(one, _model(0, quantized_params, _recipe(recipe)))
+def test_resharded_loads_4_to_2_to_1(tmp_path):
+    """Saved from 4 ranks, loaded on 2 and on 1: high-precision and quantized hybrid parameters,
+    and quantized FP8 row-wise ones."""
+    cases = [
+        (str(tmp_path / f"ckpt_{qp}_{recipe}"), qp, recipe)
+        for qp, recipe in [(False, "hybrid"), (True, "hybrid"), (True, "fp8_row")]
+    ]
+    spawn(_save_sharded, 4, cases)
+    spawn(_load_sharded, 2, cases)
+    for path, quantized_params, recipe in cases:
+        one = _model(1, quantized_params, _recipe(recipe))
+        sd = one.state_dict()
+        dcp.load(sd, checkpoint_id=path)
+        one.load_state_dict(sd)
+        _same_weights(one, _model(0, quantized_params, _recipe(recipe)))
 
 
 def _train_resume(rank, world, path):

@@ -14,6 +14,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # One process: a quantized-parameter MLP compiled with inductor, forward + backward under the
@@ -51,9 +53,17 @@ def _run(cache: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_a_second_process_runs_the_cached_graphs_of_quantized_weights(tmp_path):
-    first = _run(tmp_path)
-    second = _run(tmp_path)
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory) -> tuple[Path, dict]:
+    """A cache directory one process has filled, and what that process printed (both tests start
+    from it: a process compiling the script costs about 13 s on two cores)."""
+    cache = tmp_path_factory.mktemp("inductor_cache")
+    return cache, _run(cache)
+
+
+def test_a_second_process_runs_the_cached_graphs_of_quantized_weights(first_run):
+    cache, first = first_run
+    second = _run(cache)
     saved = first["aot"].get("autograd_cache_saved", 0)
     assert saved >= 1 and not first["aot"].get("autograd_cache_hit"), first
     # the second process traced nothing below dynamo: every graph came from the first one's cache
@@ -61,15 +71,14 @@ def test_a_second_process_runs_the_cached_graphs_of_quantized_weights(tmp_path):
     assert second["bits"] == first["bits"]
 
 
-def test_another_dtq_does_not_reuse_the_cached_graphs(tmp_path):
+def test_another_dtq_does_not_reuse_the_cached_graphs(first_run, tmp_path):
     """The caches key a graph by what dynamo traced, which calls ``dtq::linear`` whatever dtq's
     version; the graphs below it (its backward's ops, their schemas) are what that version traced.
     A process running other dtq sources (here: one changed line) compiles its own instead of
     calling ops with a schema that may have changed (it used to fail: 'missing value for argument')."""
     import shutil
 
-    cache = tmp_path / "cache"
-    _run(cache)
+    cache = first_run[0]
     other = tmp_path / "other"
     shutil.copytree(ROOT / "dtq", other / "dtq", ignore=shutil.ignore_patterns("__pycache__"))
     with open(other / "dtq" / "nn" / "_ops.py", "a") as f:

@@ -160,9 +160,14 @@ def _check_gathers(rank, world, quantized_params):
             assert bwd == want_bwd, (name, raf, bwd, want_bwd)
 
 
-@pytest.mark.parametrize("quantized_params", [False, True], ids=["hp_shards", "quantized_params"])
-def test_gathered_payloads_and_bytes_2_ranks(quantized_params):
-    spawn(_check_gathers, 2, quantized_params)
+def _check_gathers_of_both_modes(rank, world):
+    for quantized_params in (False, True):  # (one spawn: the ranks' start-up is most of a run)
+        _check_gathers(rank, world, quantized_params)
+
+
+def test_gathered_payloads_and_bytes_2_ranks():
+    """High-precision shards, then quantized parameters."""
+    spawn(_check_gathers_of_both_modes, 2)
 
 
 def test_gathered_payloads_and_bytes_4_ranks():
@@ -281,9 +286,13 @@ def _check_training(rank, world, recipe_name, mesh_shape):
 WEIGHT_TOL = {"fp8": 0.05, "hybrid_mxfp8_nvfp4": 0.12}
 
 
-@pytest.mark.parametrize("recipe_name", ["fp8", "hybrid_mxfp8_nvfp4"])
-def test_training_matches_single_process_2_ranks(recipe_name):
-    spawn(_check_training, 2, recipe_name, (2,))
+def _check_training_of_recipes(rank, world, recipe_names, mesh_shape):
+    for recipe_name in recipe_names:
+        _check_training(rank, world, recipe_name, mesh_shape)
+
+
+def test_training_matches_single_process_2_ranks():
+    spawn(_check_training_of_recipes, 2, ("fp8", "hybrid_mxfp8_nvfp4"), (2,))
 
 
 def test_training_hsdp_2x2():
