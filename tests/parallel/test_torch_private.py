@@ -1,10 +1,13 @@
 """dtq reads a few private torch attributes (dtq/_torch_private.py). If a torch release
 moves any of them, these tests fail with a message saying which one."""
 
+import math
+
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
 
 import dtq
 from dtq import _torch_private as priv
@@ -136,6 +139,16 @@ def _recording(comm, seen: list):
     return comm
 
 
+def _counting(fn, calls: list):
+    """``fn`` appending each call's world size to ``calls``."""
+
+    def counted(grads, out, world_size):
+        calls.append(world_size)
+        return fn(grads, out, world_size)
+
+    return counted
+
+
 def _check_one_rank_reduce_scatter(rank, world):
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     # one rank: FSDP2 alone; two: HSDP whose shard groups have one rank (the all-reduce across
@@ -154,9 +167,22 @@ def _check_one_rank_reduce_scatter(rank, world):
     allocations = {}
     for name, unit in (("block", spared[0]), ("root", spared)):
         unit.set_custom_reduce_scatter(_recording(priv.one_rank_reduce_scatter(), allocations.setdefault(name, [])))
+    # the comm installs dtq's one-rank copy-in; the default model runs FSDP2's own
+    ours = collectives.foreach_reduce_scatter_copy_in
+    assert ours._dtq_one_rank, "one_rank_reduce_scatter did not install dtq's copy-in"
+    copy_ins = {default: ours._dtq_fsdp2s, spared: _counting(ours, calls := [])}
+
+    def backward(model, loss):
+        collectives.foreach_reduce_scatter_copy_in = copy_ins[model]
+        try:
+            loss.backward()
+        finally:
+            collectives.foreach_reduce_scatter_copy_in = ours
+
     x = torch.randn(8, 32) + rank  # replicas see different data: the all-reduce must add them
     for model in (default, spared):
-        model(x).square().sum().backward()
+        backward(model, model(x).square().sum())
+    assert calls == [1, 1], f"FSDP2 no longer packs the gradients through foreach_reduce_scatter_copy_in: {calls}"
     for name, seen in allocations.items():
         assert len(seen) == 2 and seen[1] is seen[0], (
             f"FSDP2's one-rank reduction of the {name} no longer allocates its packed input and then its "
@@ -166,7 +192,7 @@ def _check_one_rank_reduce_scatter(rank, world):
     for p in spared[0].parameters():
         assert p.grad.to_local().untyped_storage().data_ptr() == packed, "gradients do not view the packed buffer"
     for model in (default, spared):  # accumulation: the second backward adds into the first's gradients
-        model(x * 2).square().sum().backward()
+        backward(model, model(x * 2).square().sum())
     for a, b in zip(default.parameters(), spared.parameters(), strict=True):
         assert torch.equal(a.grad.to_local(), b.grad.to_local())
 
@@ -198,6 +224,39 @@ def _check_one_rank_comm_call(rank, world):
     comm(out, x, group, dist.ReduceOp.SUM)
     expected = sum(torch.arange(4.0 * world) + r for r in range(world)).chunk(world)[rank]
     assert torch.equal(out, expected), (out, expected)
+
+
+@pytest.mark.parametrize(
+    "grad_dtype,reduce_dtype",
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.float32),
+        (torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.bfloat16),
+    ],
+)
+def test_one_rank_copy_in_packs_the_bits_fsdp2s_does(grad_dtype, reduce_dtype):
+    """dtq's copy-in over one rank writes FSDP2's packed buffer bit for bit (gradients of odd
+    shapes, a non-contiguous one; casts that round); over two ranks it is FSDP2's."""
+    priv.one_rank_copy_in()
+    ours = collectives.foreach_reduce_scatter_copy_in
+    fsdp2s = ours._dtq_fsdp2s
+    g = torch.Generator().manual_seed(0)
+    grads = [
+        torch.randn(shape, generator=g).mul(3.0**k).to(grad_dtype)
+        for k, shape in enumerate([(7, 5), (4,), (6, 2, 3), (1, 9)])
+    ]
+    grads.append(torch.randn(3, 8, generator=g).to(grad_dtype).t())  # non-contiguous
+    n = sum(t.numel() for t in grads)
+    for world in (1, 2):
+        padded = sum(-(-t.shape[0] // world) * world * math.prod(t.shape[1:]) for t in grads)
+        want, got = (torch.full((padded if world > 1 else n,), float("nan"), dtype=reduce_dtype) for _ in range(2))
+        fsdp2s([t.clone() for t in grads], want, world)
+        ours([t.clone() for t in grads], got, world)
+        assert torch.equal(
+            got.view(torch.int16 if reduce_dtype == torch.bfloat16 else torch.int32),
+            want.view(torch.int16 if reduce_dtype == torch.bfloat16 else torch.int32),
+        ), world
 
 
 def test_one_rank_reduce_scatter_called_by_fsdp2_reduces():
