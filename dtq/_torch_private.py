@@ -252,7 +252,8 @@ def one_rank_reduce_scatter():
     casting to another dtype, copying to the CPU), which now reads this buffer: the buffer is
     therefore marked as used on that stream (``record_stream``), so the allocator does not hand
     it out again before that work is done. Where a pairing cannot be sure (the pending input
-    gone, or on CUDA an output asked for on the input's own stream) the comm allocates afresh."""
+    gone, or on CUDA an output asked for on the input's own stream) the comm allocates afresh.
+    Making one also installs :func:`one_rank_copy_in` (the packing into that buffer)."""
     import weakref
 
     import torch.distributed as dist
