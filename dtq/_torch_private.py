@@ -307,9 +307,9 @@ def one_rank_copy_in() -> None:
     the module function FSDP2 calls); called by :func:`one_rank_reduce_scatter`."""
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
 
-    own = collectives.foreach_reduce_scatter_copy_in
-    if getattr(own, "_dtq_one_rank", False):
-        return
+    own = getattr(collectives, "foreach_reduce_scatter_copy_in", None)
+    if own is None or getattr(own, "_dtq_one_rank", False):
+        return  # (a torch without it keeps its own packing: tests/parallel/test_torch_private.py says so)
 
     def foreach_reduce_scatter_copy_in(unsharded_grads, reduce_scatter_input, world_size):
         if world_size != 1 or torch.compiler.is_compiling():
