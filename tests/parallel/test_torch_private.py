@@ -1,6 +1,7 @@
 """dtq reads a few private torch attributes (dtq/_torch_private.py). If a torch release
 moves any of them, these tests fail with a message saying which one."""
 
+import itertools
 import math
 
 import pytest
@@ -235,28 +236,34 @@ def _check_one_rank_comm_call(rank, world):
         (torch.bfloat16, torch.bfloat16),
     ],
 )
-def test_one_rank_copy_in_packs_the_bits_fsdp2s_does(grad_dtype, reduce_dtype):
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
+def test_one_rank_copy_in_packs_the_bits_fsdp2s_does(grad_dtype, reduce_dtype, device):
     """dtq's copy-in over one rank writes FSDP2's packed buffer bit for bit (gradients of odd
-    shapes, a non-contiguous one; casts that round); over two ranks it is FSDP2's."""
+    shapes, a non-contiguous one; casts that round); over two ranks it is FSDP2's. On CUDA,
+    FSDP2's is ``_chunk_cat``'s kernel (its fast path for BF16 into FP32 among them)."""
     priv.one_rank_copy_in()
     ours = collectives.foreach_reduce_scatter_copy_in
     fsdp2s = ours._dtq_fsdp2s
     g = torch.Generator().manual_seed(0)
-    grads = [
-        torch.randn(shape, generator=g).mul(3.0**k).to(grad_dtype)
+    dense = [
+        torch.randn(shape, generator=g).mul(3.0**k).to(device, grad_dtype)
         for k, shape in enumerate([(7, 5), (4,), (6, 2, 3), (1, 9)])
     ]
-    grads.append(torch.randn(3, 8, generator=g).to(grad_dtype).t())  # non-contiguous
-    n = sum(t.numel() for t in grads)
-    for world in (1, 2):
+    strided = torch.randn(3, 8, generator=g).to(device, grad_dtype).t()  # (FSDP2's then takes its general path)
+    for grads, world in itertools.product((dense, [*dense, strided]), (1, 2)):
+        n = sum(t.numel() for t in grads)
         padded = sum(-(-t.shape[0] // world) * world * math.prod(t.shape[1:]) for t in grads)
-        want, got = (torch.full((padded if world > 1 else n,), float("nan"), dtype=reduce_dtype) for _ in range(2))
+        size = (padded if world > 1 else n,)
+        want, got = (torch.full(size, float("nan"), dtype=reduce_dtype, device=device) for _ in range(2))
         fsdp2s([t.clone() for t in grads], want, world)
         ours([t.clone() for t in grads], got, world)
         assert torch.equal(
             got.view(torch.int16 if reduce_dtype == torch.bfloat16 else torch.int32),
             want.view(torch.int16 if reduce_dtype == torch.bfloat16 else torch.int32),
-        ), world
+        ), (world, len(grads))
 
 
 def test_one_rank_reduce_scatter_called_by_fsdp2_reduces():
