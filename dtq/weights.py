@@ -194,7 +194,8 @@ def local_data(p: torch.Tensor) -> torch.Tensor:
     return unwrap(local_tensor(p))
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# tensors with memory of their own and no dispatch of their own (what a data pointer stands for)
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 # data_ptr of a gathered weight -> (a reference to it, its version, numel, max|w| as a 0-dim fp32)
 _GATHERED: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
 _PRUNE_AT = [1024]  # entries past which those of freed or moved memory go (FSDP2 refills each step)
@@ -219,7 +220,7 @@ def gathered_amax(w: torch.Tensor) -> torch.Tensor | None:
     write since (the version counter ``w`` shares with it); None otherwise. Writes that bypass
     version counters (through ``.data``, or under ``_unsafe_preserve_version_counter``) are not
     seen, as torch's own saved-tensor checks do not see them."""
-    if not _GATHERED or type(w) not in _PLAIN or torch.compiler.is_compiling():
+    if not _GATHERED or type(w) not in PLAIN_TYPES or torch.compiler.is_compiling():
         return None  # (a subclass or a traced tensor: no memory of its own to look up)
     ptr = w.data_ptr()
     kept = _GATHERED.get(ptr)

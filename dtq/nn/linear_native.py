@@ -23,7 +23,7 @@ import torch
 from dtq import kernels
 from dtq.formats import COLUMNWISE, ROWWISE
 from dtq.nn.linear_plan import NATIVE_UNDECIDED, LinearPlan, _distinct
-from dtq.weights import HighPrecisionWeight
+from dtq.weights import PLAIN_TYPES, HighPrecisionWeight
 
 if TYPE_CHECKING:
     from dtq.codec import QuantizePlan
@@ -32,10 +32,6 @@ if TYPE_CHECKING:
 enabled = True
 
 _WEIGHT_TYPES = (torch.Tensor, torch.nn.Parameter, HighPrecisionWeight)
-# what the compiled quantize ops launch on: a graph's inputs are plain tensors, and parameters
-# (a compiled module's own weight, FSDP2's unsharded parameter) as they are; other subclasses
-# keep the Python path
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def native_of(plan: LinearPlan) -> int | None:
@@ -168,7 +164,8 @@ def payloads(
     None where the plan is not one the C++ function runs, or the Python path must look at
     ``known`` (not the 0-dim fp32 the launch reads: it then says what is wrong)."""
     native = native_of(plan)
-    if native is None or type(t) not in _PLAIN:
+    # (plain tensors and parameters: a graph hands FSDP2's unsharded weight over as an nn.Parameter)
+    if native is None or type(t) not in PLAIN_TYPES:
         return None
     order = _OUTPUTS[native][which]
     if order is None:
