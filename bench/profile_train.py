@@ -12,6 +12,12 @@ the wall time per step, then the ops and kernels by GPU time and by host time
 (``bench/results/swiglu_kernels_h200/prof-*.txt`` came from a first version of it, whose header
 line also summed the GPU column, counting ops and their kernels twice). A step whose
 ``cudaStreamSynchronize`` waits little is bound by host time.
+
+``--stacks`` (with ``--torch-profiler``): then each kernel's time by the op that launched it, that
+op's caller, input shapes and the Python stack that issued it (the copies a step makes, say).
+
+``--cprofile-steps 25:30``: cProfile over those steps only (the compile of the first steps left
+out), printed by internal time, per step.
 """
 
 from __future__ import annotations
@@ -34,6 +40,10 @@ def main() -> None:
     p.add_argument(
         "--torch-profiler", type=_window, default=None, metavar="START:END", help="torch's profiler over these steps"
     )
+    p.add_argument("--stacks", action="store_true", help="with --torch-profiler: kernels by op and Python stack")
+    p.add_argument(
+        "--cprofile-steps", type=_window, default=None, metavar="START:END", help="cProfile over these steps only"
+    )
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: launch/train.py's arguments")
     args = p.parse_args()
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
@@ -42,13 +52,17 @@ def main() -> None:
     if args.torch_profiler:
         if args.dump:
             p.error("--dump writes cProfile's stats; it does not apply with --torch-profiler")
-        state = profile_steps(*args.torch_profiler, args.top)
+        state = profile_steps(*args.torch_profiler, args.top, args.stacks)
         try:
             train.main(train_args)
         finally:
             if "prof" in state and not state.get("done"):
                 state["prof"].__exit__(None, None, None)
                 print(f"profile_train: training ended before step {args.torch_profiler[1]}; nothing reported")
+        return
+    if args.cprofile_steps:
+        cprofile_steps(*args.cprofile_steps, args.top, args.dump)
+        train.main(train_args)
         return
     prof = cProfile.Profile()
     prof.enable()
@@ -72,40 +86,103 @@ def _window(text: str) -> tuple[int, int]:
     return start, end
 
 
-def profile_steps(start: int, end: int, top: int) -> dict:
-    """Wrap the trainer's per-step learning-rate call (the first thing each step does) so that
-    torch's profiler runs from step ``start`` until step ``end`` begins (steps of this process,
-    counted from 1 also when the trainer resumes). Returns the state ``main`` finishes with."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
+def _on_steps(start: int, end: int, begin, finish) -> None:
+    """Call ``begin()`` as step ``start`` begins and ``finish(steps)`` as step ``end`` begins, by
+    wrapping the trainer's per-step learning-rate call (the first thing each step does; steps of
+    this process, counted from 1)."""
     from dtq.launch import optim
 
-    set_lr, state = optim.set_lr, {"step": 0}
-    cuda = torch.cuda.is_available()
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    set_lr, step = optim.set_lr, [0]
 
     def counted(opt, lr):
-        state["step"] += 1
-        if state["step"] == start:
-            sync()
-            state["prof"] = profile(activities=activities)
-            state["prof"].__enter__()
-            state["t0"] = time.perf_counter()
-        elif state["step"] == end and "prof" in state:
-            sync()
-            wall = (time.perf_counter() - state["t0"]) / (end - start)
-            state["prof"].__exit__(None, None, None)
-            state["done"] = True
-            events = state["prof"].key_averages()
-            print(f"== torch profiler, steps {start}-{end - 1}: wall {wall * 1e3:.1f} ms/step")
-            for key in ("self_device_time_total", "self_cpu_time_total")[0 if cuda else 1 :]:
-                print(events.table(sort_by=key, row_limit=top, max_name_column_width=90))
+        step[0] += 1
+        if step[0] == start:
+            begin()
+        elif step[0] == end:
+            finish(end - start)
         return set_lr(opt, lr)
 
     optim.set_lr = counted
+
+
+def cprofile_steps(start: int, end: int, top: int, dump: str) -> None:
+    """cProfile from step ``start`` until step ``end`` begins: the steady state, no compile."""
+    prof = cProfile.Profile()
+
+    def finish(steps: int) -> None:
+        prof.disable()
+        if dump:
+            prof.dump_stats(dump)
+        print(f"== cProfile, steps {start}-{end - 1} ({steps} steps), by internal time")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+    _on_steps(start, end, prof.enable, finish)
+
+
+def profile_steps(start: int, end: int, top: int, stacks: bool = False) -> dict:
+    """torch's profiler from step ``start`` until step ``end`` begins. Returns the state ``main``
+    finishes with. ``stacks``: also each op's kernels by the Python stack that issued the op."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    state: dict = {}
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    # (the Python frames of each op need the verbose config on torch 2.11-2.13)
+    extra = {
+        "with_stack": True,
+        "record_shapes": True,
+        "experimental_config": torch._C._profiler._ExperimentalConfig(verbose=True),
+    }
+
+    def begin() -> None:
+        sync()
+        state["prof"] = profile(activities=activities, **(extra if stacks else {}))
+        state["prof"].__enter__()
+        state["t0"] = time.perf_counter()
+
+    def finish(steps: int) -> None:
+        sync()
+        wall = (time.perf_counter() - state["t0"]) / steps
+        state["prof"].__exit__(None, None, None)
+        state["done"] = True
+        events = state["prof"].key_averages()
+        print(f"== torch profiler, steps {start}-{end - 1}: wall {wall * 1e3:.1f} ms/step")
+        for key in ("self_device_time_total", "self_cpu_time_total")[0 if cuda else 1 :]:
+            print(events.table(sort_by=key, row_limit=top, max_name_column_width=90))
+        if stacks:
+            print_by_stack(state["prof"].events(), steps, top, cuda)
+
+    _on_steps(start, end, begin, finish)
     return state
+
+
+def print_by_stack(events, steps: int, top: int, cuda: bool) -> None:
+    """Kernel time per step grouped by (op, the op that called it, kernel, input shapes, Python
+    stack of the nearest op that has one): where a kernel comes from, not only what it is. On a
+    machine without a GPU, the ops' own CPU time instead."""
+    import collections
+
+    count, total = collections.Counter(), collections.Counter()
+    for e in events:
+        kernels = list(e.kernels or []) if cuda else [None]
+        if not kernels or (not cuda and not e.name.startswith("aten::")):
+            continue
+        a = e
+        while a is not None and not a.stack:
+            a = a.cpu_parent
+        frames = [f for f in (a.stack if a is not None else []) if "torch/profiler" not in f][:6]
+        parent = e.cpu_parent.name if e.cpu_parent is not None else "-"
+        for k in kernels:
+            key = (e.name, parent, k.name[:70] if k else "cpu", str(e.input_shapes)[:70], "\n        ".join(frames))
+            count[key] += 1
+            total[key] += k.duration if k else e.self_cpu_time_total
+    print(f"== {'kernel' if cuda else 'op'} time per step by op and Python stack")
+    for key in sorted(total, key=total.get, reverse=True)[:top]:
+        op, parent, kernel, shapes, frames = key
+        print(f"{count[key] / steps:6.1f} x {total[key] / steps / 1e3:7.3f} ms  {op} (in {parent}) {kernel} {shapes}")
+        print(f"        {frames}")
 
 
 if __name__ == "__main__":
