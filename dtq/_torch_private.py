@@ -9,6 +9,7 @@ a torch release moves any of this.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import weakref
@@ -121,6 +122,47 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor, as it is (no autograd edge: parameters, state-dict entries;
     activations use ``DTensor.to_local()``); any other tensor itself."""
     return t._local_tensor if hasattr(t, "device_mesh") else t
+
+
+def dtensor_layout(t) -> tuple | None:
+    """(mesh, placements) of a DTensor, from its spec (the public properties cost twice as much:
+    the fused optimizer step looks at every state tensor of every parameter); None for anything else."""
+    spec = getattr(t, "_spec", None)
+    return None if spec is None else (spec.mesh, spec.placements)
+
+
+@contextlib.contextmanager
+def dtensor_op_handlers(handlers: dict):
+    """Within it, DTensor's dispatch hands each of ``handlers``' aten ops to its handler,
+    ``handler(op, args, kwargs)``, before any sharding propagation: the table DTensor keeps for
+    its own such ops (``_custom_op_handlers``, which torch's ``loss_parallel`` extends the same
+    way). Restores the table's entries on exit."""
+    from torch.distributed.tensor import DTensor
+
+    table = DTensor._op_dispatcher._custom_op_handlers
+    saved = {op: table[op] for op in handlers if op in table}
+    table.update(handlers)
+    try:
+        yield
+    finally:
+        for op in handlers:
+            table.pop(op, None)
+        table.update(saved)
+
+
+@contextlib.contextmanager
+def without_dtensor_handler(op):
+    """DTensor's own dispatch of ``op`` while a handler of :func:`dtensor_op_handlers` is
+    installed for it (the handler's way back when it declines a call)."""
+    from torch.distributed.tensor import DTensor
+
+    table = DTensor._op_dispatcher._custom_op_handlers
+    handler = table.pop(op, None)
+    try:
+        yield
+    finally:
+        if handler is not None:
+            table[op] = handler
 
 
 def fsdp_gather_dtype(fsdp_param) -> torch.dtype | None:

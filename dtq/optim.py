@@ -1,16 +1,19 @@
-"""``dtq.optim.MasterWeightOptimizer``: FP32 master weights for quantized parameters; and a step
-pre-hook on every torch optimizer that warns once when one updates quantized parameters itself."""
+"""``dtq.optim.MasterWeightOptimizer``: FP32 master weights for quantized parameters;
+``dtq.optim.on_local_shards``: torch's fused Adam / AdamW kernels run on DTensors' local shards;
+and a step pre-hook on every torch optimizer that warns once when one updates quantized
+parameters itself."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from dtq._torch_private import local_tensor
+from dtq._torch_private import dtensor_layout, dtensor_op_handlers, local_tensor, without_dtensor_handler
 from dtq._warn import warn_once
 from dtq.nn.module import LIVE_MODULES
 from dtq.parallel.master import quantize_master_weights
@@ -307,6 +310,76 @@ def _groups(params) -> list[dict]:
 
 def _local_of(t: torch.Tensor) -> torch.Tensor:
     return local_tensor(t)
+
+
+# -- fused steps on local shards -------------------------------------------------------------------
+
+# torch's fused multi-tensor steps, in place: (params, grads, exp_avgs, exp_avg_sqs,
+# max_exp_avg_sqs, state_steps, *, lr, ..., grad_scale, found_inf), elementwise per parameter
+_aten = torch.ops.aten
+_FUSED_STEPS = (
+    _aten._fused_adam_.default,
+    _aten._fused_adam_.tensor_lr,
+    _aten._fused_adamw_.default,
+    _aten._fused_adamw_.tensor_lr,
+)
+_PER_PARAM_LISTS = 5  # the lists whose i-th entries must share one sharding
+
+
+def _locally(args: tuple, kwargs: dict) -> tuple | None:
+    """The fused step's arguments with every DTensor as its local tensor, where that is the op
+    DTensor would run: each parameter's entries (parameter, gradient, moments) all DTensors on
+    one mesh with one set of placements and no pending reduction (``Partial``), or all plain;
+    step counts and scalars replicated or plain. None where anything else is found (DTensor's
+    own dispatch then redistributes as it must)."""
+    for entries in zip(*(lst for lst in args[:_PER_PARAM_LISTS] if lst)):
+        layout = dtensor_layout(entries[0])
+        if layout is None:
+            if any(dtensor_layout(t) is not None for t in entries):
+                return None
+            continue
+        mesh, placements = layout
+        if any(pl.is_partial() for pl in placements):
+            return None
+        for t in entries[1:]:
+            other = dtensor_layout(t)
+            if (
+                other is None
+                or (other[0] is not mesh and other[0] != mesh)
+                or (other[1] is not placements and other[1] != placements)
+            ):
+                return None
+    rest = [t for lst in args[_PER_PARAM_LISTS:] for t in lst] + list(kwargs.values())
+    for t in rest:
+        layout = dtensor_layout(t)
+        if layout is not None and not all(pl.is_replicate() for pl in layout[1]):
+            return None
+    local = tuple([local_tensor(t) for t in lst] for lst in args)
+    return local, {k: local_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+
+
+def _fused_step_on_local_shards(op, args: tuple, kwargs: dict):
+    local = _locally(args, kwargs)
+    if local is not None:
+        return op(*local[0], **local[1])
+    with without_dtensor_handler(op):
+        return op(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def on_local_shards() -> Iterator[None]:
+    """Within it, torch's fused Adam and AdamW steps (``fused=True``) over DTensor parameters run
+    their kernel on each rank's local shards, as DTensor's dispatch would after checking every
+    tensor: the same kernel on the same data, so the same bits, without that dispatch's
+    per-parameter host work on every step (FSDP2's parameters are DTensors). A step whose
+    DTensors need more (a pending reduction, placements that differ) keeps DTensor's dispatch.
+    The optimizer's state stays DTensors, so checkpoints are unchanged.
+
+        with dtq.optim.on_local_shards():
+            optimizer.step()
+    """
+    with dtensor_op_handlers(dict.fromkeys(_FUSED_STEPS, _fused_step_on_local_shards)):
+        yield
 
 
 # -- plain optimizers on quantized parameters ---------------------------------------------------

@@ -13,6 +13,7 @@ import math
 import torch
 
 import dtq
+from dtq._torch_private import local_tensor
 from dtq.launch.config import TrainConfig
 
 
@@ -91,8 +92,13 @@ def clip_grad_norm(params, max_norm: float, optimizer: torch.optim.Optimizer | N
         if p.grad is not None:
             by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
     norms = []
-    for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+    for mesh, group in by_mesh.items():
+        grads = [p.grad for p in group]
+        if mesh is not None and mesh.size() == 1:
+            # one rank holds these gradients whole: the norm of the local tensors is the one the
+            # single-process run takes, without DTensor's dispatch of every gradient
+            grads = [local_tensor(g) for g in grads]
+        norm = torch.nn.utils.get_total_norm(grads)
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
     if norms and _takes_clip_factor(optimizer):
@@ -114,10 +120,12 @@ def _takes_clip_factor(optimizer: torch.optim.Optimizer | None) -> bool:
 
 
 def step(optimizer: torch.optim.Optimizer) -> None:
-    """``optimizer.step()``, then drop a clipping factor :func:`clip_grad_norm` left for it (as
-    ``GradScaler`` does after its step), also where the step raised, so that no later step
+    """``optimizer.step()`` (a fused Adam or AdamW on FSDP2's DTensors on their local shards,
+    ``dtq.optim.on_local_shards``), then drop a clipping factor :func:`clip_grad_norm` left for it
+    (as ``GradScaler`` does after its step), also where the step raised, so that no later step
     divides by it again."""
     try:
-        optimizer.step()
+        with dtq.optim.on_local_shards():
+            optimizer.step()
     finally:
         optimizer.__dict__.pop("grad_scale", None)

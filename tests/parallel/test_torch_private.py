@@ -377,6 +377,32 @@ def test_one_rank_gathers_write_fsdp2s_gather_output_once():
     spawn(_check_one_rank_gathers, 2, backend="gloo")
 
 
+def _check_dtensor_layout_and_handlers(rank, world):
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    t = distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)])
+    assert priv.dtensor_layout(t) == (t.device_mesh, t.placements), "DTensor._spec.mesh / .placements moved"
+    assert priv.dtensor_layout(torch.zeros(2)) is None
+    table = DTensor._op_dispatcher._custom_op_handlers
+    assert isinstance(table, dict), "DTensor._op_dispatcher._custom_op_handlers moved"
+    op, seen = torch.ops.aten.mul.Tensor, []
+
+    def handler(op_call, args, kwargs):
+        seen.append(op_call)
+        with priv.without_dtensor_handler(op_call):
+            return op_call(*args, **kwargs)
+
+    with priv.dtensor_op_handlers({op: handler}):
+        doubled = t * 2
+    assert seen == [op], "DTensor's dispatch no longer consults its custom op handlers"
+    assert op not in table and torch.equal(doubled.full_tensor(), t.full_tensor() * 2)
+
+
+def test_dtensor_layout_and_op_handlers_are_where_dtq_reads_them():
+    spawn(_check_dtensor_layout_and_handlers, 1)
+
+
 def test_dtqs_constant_mark_is_the_one_dynamo_sets():
     """``priv.assume_constant_result`` marks a function as ``torch._dynamo.assume_constant_result``
     does (without importing dynamo), and dynamo then runs it while tracing, not in the graph."""
