@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+import threading
 import weakref
 from typing import NamedTuple
 
@@ -131,38 +132,57 @@ def dtensor_layout(t) -> tuple | None:
     return None if spec is None else (spec.mesh, spec.placements)
 
 
+_HANDLERS_LOCK = threading.RLock()  # DTensor's handler table is one per process
+_INSTALLED: dict = {}  # aten op -> [contexts using it, the entry it replaced (or None)]
+
+
 @contextlib.contextmanager
 def dtensor_op_handlers(handlers: dict):
     """Within it, DTensor's dispatch hands each of ``handlers``' aten ops to its handler,
     ``handler(op, args, kwargs)``, before any sharding propagation: the table DTensor keeps for
     its own such ops (``_custom_op_handlers``, which torch's ``loss_parallel`` extends the same
-    way). Restores the table's entries on exit."""
+    way). Contexts may nest and overlap across threads: the first one installs an op's handler,
+    the last one to leave puts back what was there."""
     from torch.distributed.tensor import DTensor
 
     table = DTensor._op_dispatcher._custom_op_handlers
-    saved = {op: table[op] for op in handlers if op in table}
-    table.update(handlers)
+    with _HANDLERS_LOCK:
+        for op, handler in handlers.items():
+            if op in _INSTALLED:
+                _INSTALLED[op][0] += 1
+            else:
+                _INSTALLED[op] = [1, table.get(op)]
+                table[op] = handler
     try:
         yield
     finally:
-        for op in handlers:
-            table.pop(op, None)
-        table.update(saved)
+        with _HANDLERS_LOCK:
+            for op in handlers:
+                entry = _INSTALLED[op]
+                entry[0] -= 1
+                if entry[0] == 0:
+                    del _INSTALLED[op]
+                    if entry[1] is None:
+                        table.pop(op, None)
+                    else:
+                        table[op] = entry[1]
 
 
 @contextlib.contextmanager
 def without_dtensor_handler(op):
     """DTensor's own dispatch of ``op`` while a handler of :func:`dtensor_op_handlers` is
-    installed for it (the handler's way back when it declines a call)."""
+    installed for it (the handler's way back when it declines a call). Holds the table's lock
+    throughout, so no other thread finds the entry missing or leaves it in place for good."""
     from torch.distributed.tensor import DTensor
 
     table = DTensor._op_dispatcher._custom_op_handlers
-    handler = table.pop(op, None)
-    try:
-        yield
-    finally:
-        if handler is not None:
-            table[op] = handler
+    with _HANDLERS_LOCK:
+        handler = table.pop(op, None)
+        try:
+            yield
+        finally:
+            if handler is not None:
+                table[op] = handler
 
 
 def fsdp_gather_dtype(fsdp_param) -> torch.dtype | None:

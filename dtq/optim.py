@@ -328,17 +328,21 @@ _PER_PARAM_LISTS = 5  # the lists whose i-th entries must share one sharding
 
 def _locally(args: tuple, kwargs: dict) -> tuple | None:
     """The fused step's arguments with every DTensor as its local tensor, where that is the op
-    DTensor would run: each parameter's entries (parameter, gradient, moments) all DTensors on
-    one mesh with one set of placements and no pending reduction (``Partial``), or all plain;
-    step counts and scalars replicated or plain. None where anything else is found (DTensor's
-    own dispatch then redistributes as it must)."""
+    DTensor would run: every parameter's entries (parameter, gradient, moments) DTensors on the
+    call's one mesh, each parameter's with one set of placements and no pending reduction
+    (``Partial``); step counts and scalars replicated or plain. None where anything else is
+    found, a plain tensor among the DTensors included (DTensor's dispatch then redistributes, or
+    raises as it does for a parameter left out of ``fully_shard``)."""
+    call_mesh = None
     for entries in zip(*(lst for lst in args[:_PER_PARAM_LISTS] if lst)):
         layout = dtensor_layout(entries[0])
         if layout is None:
-            if any(dtensor_layout(t) is not None for t in entries):
-                return None
-            continue
+            return None
         mesh, placements = layout
+        if call_mesh is None:
+            call_mesh = mesh
+        elif mesh is not call_mesh and mesh != call_mesh:
+            return None
         if any(pl.is_partial() for pl in placements):
             return None
         for t in entries[1:]:
@@ -371,9 +375,10 @@ def on_local_shards() -> Iterator[None]:
     """Within it, torch's fused Adam and AdamW steps (``fused=True``) over DTensor parameters run
     their kernel on each rank's local shards, as DTensor's dispatch would after checking every
     tensor: the same kernel on the same data, so the same bits, without that dispatch's
-    per-parameter host work on every step (FSDP2's parameters are DTensors). A step whose
-    DTensors need more (a pending reduction, placements that differ) keeps DTensor's dispatch.
-    The optimizer's state stays DTensors, so checkpoints are unchanged.
+    per-parameter host work on every step (FSDP2's parameters are DTensors). A step DTensor
+    would treat otherwise (a pending reduction, placements that differ, several meshes or plain
+    tensors in one call) keeps DTensor's dispatch. The optimizer's state stays DTensors, so
+    checkpoints are unchanged.
 
         with dtq.optim.on_local_shards():
             optimizer.step()

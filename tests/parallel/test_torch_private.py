@@ -400,7 +400,7 @@ def _check_dtensor_layout_and_handlers(rank, world):
 
 
 def test_dtensor_layout_and_op_handlers_are_where_dtq_reads_them():
-    spawn(_check_dtensor_layout_and_handlers, 1)
+    spawn(_check_dtensor_layout_and_handlers, 1, backend="gloo")
 
 
 def test_dtqs_constant_mark_is_the_one_dynamo_sets():
