@@ -162,17 +162,28 @@ class ParallelConfig:
     format, half the bytes or less); false gathers them in ``train.dtype`` and each GEMM quantizes
     its gathered weight (``dtq.parallel.gather_high_precision``), the faster step where the
     network is fast (docs/benchmarks.md, FSDP2); "auto", quantized only where a weight's shards
-    span several hosts (``dtq.launch.parallel.quantized_gather``)."""
+    span several hosts (``dtq.launch.parallel.quantized_gather``). ``fsdp_units``: "blocks", FSDP2's
+    ``fully_shard`` on every block and on the root; "root", on the root only (one gather and one
+    gradient reduction for the whole model); "auto", "root" where the whole job is one rank and
+    the blocks would not reshard after forward (nothing to overlap and no memory to free, while
+    each unit's hooks cost host time every step: ``dtq.launch.parallel.fsdp_units``), else
+    "blocks"."""
 
     tp: Count = 1
     replicate: Count = 1
     sequence_parallel: bool = False
     reshard_after_forward: bool | Literal["auto"] = "auto"
     quantized_gather: bool | Literal["auto"] = "auto"
+    fsdp_units: Literal["auto", "blocks", "root"] = "auto"
 
     def __post_init__(self):
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("config: parallel.sequence_parallel = true needs parallel.tp > 1")
+        if self.fsdp_units == "root" and self.reshard_after_forward is True:
+            raise ValueError(
+                'config: parallel.fsdp_units = "root" never reshards after forward (FSDP2 keeps the root\'s '
+                'weights gathered); set parallel.reshard_after_forward = false or "auto", or fsdp_units = "blocks"'
+            )
 
 
 @config_dataclass

@@ -1,5 +1,6 @@
 """Parallelizing the model: tensor/sequence parallelism first (on the mesh's "tp" dim), then FSDP2
-``fully_shard`` on every block and on the root (on the "dp" dim, or HSDP on ("replicate", "dp")).
+``fully_shard`` on every block and on the root (on the "dp" dim, or HSDP on ("replicate", "dp");
+on the root only in a one-rank job, :func:`fsdp_units`).
 Mesh ranks are laid out ``(replicate, dp, tp)``: the ``tp`` ranks of one data-parallel replica are
 consecutive, then the FSDP2 shards of one HSDP replica."""
 
@@ -91,6 +92,21 @@ def reshard_after_forward(setting: bool | str, shard_ranks: int) -> bool:
     return shard_ranks > 1 if setting == "auto" else bool(setting)
 
 
+def fsdp_units(setting: str, world_size: int, reshard: bool) -> str:
+    """Where ``fully_shard`` goes (``parallel.fsdp_units``): "blocks" (every block and the root) or
+    "root". "auto" is "root" where the whole job is one rank (``world_size``, TP included) and
+    the blocks would keep their gathered weights (``reshard`` false): per-block units then overlap
+    nothing (no collective runs) and free nothing, while FSDP2's hooks of each unit, its gather
+    before forward and its gradient packing after backward, cost host time every step, the time
+    a host-bound FP8 step is made of (docs/benchmarks.md, "One FSDP2 unit over one rank"). One
+    unit keeps every block's gradients until the end of backward and packs them at once, when
+    the activations are gone (``llama1b_1gpu``'s peak stayed 25.2 GiB on an H200); the bits are
+    the same."""
+    if setting != "auto":
+        return setting
+    return "root" if world_size == 1 and not reshard else "blocks"
+
+
 def quantized_gather(setting: bool | str, dp_mesh: DeviceMesh, quantized_params: bool) -> bool:
     """Whether FSDP2 gathers high-precision weights quantized (``parallel.quantized_gather``), decided
     over the FSDP2 shard group (the mesh's "dp" dim): "auto" quantizes only where one weight's
@@ -100,12 +116,12 @@ def quantized_gather(setting: bool | str, dp_mesh: DeviceMesh, quantized_params:
 
 
 def parallelize(
-    model: torch.nn.Module, mesh: DeviceMesh, cfg: Config, recipe=None, *, gather_quantized: bool
+    model: torch.nn.Module, mesh: DeviceMesh, cfg: Config, recipe=None, *, gather_quantized: bool, units: str
 ) -> torch.nn.Module:
     """TP styles (when ``tp > 1``), then quantized parameters (``train.quantized_params``: after the
     styles, so every TP shard is the slice of the whole weight's quantization) or plain ones
     (``gather_quantized`` false: :func:`quantized_gather`'s decision), then FSDP2 per block and on
-    the root. Parameters are
+    the root (``units`` "blocks") or on the root only ("root": :func:`fsdp_units`). Parameters are
     kept in their dtype; ``train.dtype = "bfloat16"`` makes FSDP2 gather and compute in BF16 with
     FP32 gradient reduction."""
     if cfg.parallel.tp > 1:
@@ -123,11 +139,14 @@ def parallelize(
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     kwargs = {"mesh": dp} | ({"mp_policy": mp} if mp is not None else {})
     reshard = reshard_after_forward(cfg.parallel.reshard_after_forward, dp["dp"].size())
-    for block in model.blocks:
+    if units not in ("blocks", "root"):
+        raise ValueError(f'parallelize: units = {units!r}; "blocks" or "root" (fsdp_units decides "auto")')
+    blocks = [*model.blocks] if units == "blocks" else []
+    for block in blocks:
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
     if dp["dp"].size() == 1:  # FSDP2 over one rank would copy every packed gradient once more
-        for unit in [*model.blocks, model]:
+        for unit in [*blocks, model]:
             unit.set_custom_reduce_scatter(_torch_private.one_rank_reduce_scatter())
         # and cast every weight twice (into a new tensor, then into the parameter) where one pass,
         # taking the max|w| its GEMMs quantize with, does

@@ -265,7 +265,9 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto", 
     gather_quantized = parallel.quantized_gather(
         cfg.parallel.quantized_gather, parallel.data_parallel_mesh(mesh), tc.quantized_params
     )
-    model = parallel.parallelize(model, mesh, cfg, recipe, gather_quantized=gather_quantized)
+    reshard = parallel.reshard_after_forward(cfg.parallel.reshard_after_forward, dp_world // cfg.parallel.replicate)
+    units = parallel.fsdp_units(cfg.parallel.fsdp_units, world, reshard)
+    model = parallel.parallelize(model, mesh, cfg, recipe, gather_quantized=gather_quantized, units=units)
     model.recompute = tc.recompute
     opt = optim.build_optimizer(model, tc)
 
@@ -287,6 +289,7 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto", 
             "config": cfg.to_dict(),
             "world_size": world,
             "quantized_gather": gather_quantized,  # parallel.quantized_gather as decided on this mesh
+            "fsdp_units": units,  # parallel.fsdp_units as decided
             "launcher": denv.launcher,
             "device": str(device),
             "recipe": repr(recipe),
@@ -332,6 +335,9 @@ def train(cfg: config_mod.Config, resume: bool = False, launcher: str = "auto", 
     if recipe is not None and not gather_quantized:
         why = " (auto: FSDP2's shards on one host)" if cfg.parallel.quantized_gather == "auto" else " = false"
         console.print(f"parallel.quantized_gather{why}: weights gathered in high precision, quantized by their GEMMs")
+    if units == "root":
+        why = " (auto: one rank)" if cfg.parallel.fsdp_units == "auto" else ""
+        console.print(f"parallel.fsdp_units{why}: FSDP2 on the root only, one gather and one gradient reduction a step")
     # high-precision weights that FSDP2 gathers quantized: their amaxes reduced once per step
     reduce_amaxes = recipe is not None and not tc.quantized_params and gather_quantized
     if reduce_amaxes:

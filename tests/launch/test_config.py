@@ -503,6 +503,25 @@ def test_reshard_after_forward_auto_keeps_weights_gathered_on_one_shard():
         config.load(TINY, ["parallel.reshard_after_forward=sometimes"])
 
 
+def test_fsdp_units_auto_is_the_root_in_a_one_rank_job_only():
+    """ "auto" puts FSDP2 on the root only where the whole job is one rank (TP ranks count) and
+    the blocks keep their gathered weights; an explicit choice is kept; "root" with blocks that
+    would reshard after forward is refused (the root never reshards)."""
+    assert config.load(TINY).parallel.fsdp_units == "auto"
+    assert parallel.fsdp_units("auto", 1, reshard=False) == "root"
+    assert parallel.fsdp_units("auto", 1, reshard=True) == "blocks"  # (reshard_after_forward=true asked for)
+    assert parallel.fsdp_units("auto", 2, reshard=False) == "blocks"  # (HSDP with one rank per replica too)
+    assert parallel.fsdp_units("blocks", 1, reshard=False) == "blocks"
+    assert parallel.fsdp_units("root", 4, reshard=False) == "root"
+    refused = r"parallel.fsdp_units = 'leaves': Input should be 'auto', 'blocks' or 'root'"
+    with pytest.raises(config.ConfigError, match=refused):
+        config.load(TINY, ["parallel.fsdp_units=leaves"])
+    refused = r'parallel.fsdp_units = "root" never reshards after forward.*reshard_after_forward = false or "auto"'
+    with pytest.raises(ValueError, match=refused):
+        config.load(TINY, ["parallel.fsdp_units=root", "parallel.reshard_after_forward=true"])
+    assert config.load(TINY, ["parallel.fsdp_units=root", "parallel.reshard_after_forward=false"])
+
+
 def test_optimizer_is_multi_tensor_adamw_on_cpu():
     """The fused AdamW kernel is for GPUs (where it spares the multi-tensor version's host time);
     CPU runs keep torch's default implementation, whose bits the CPU tests were written against."""
