@@ -127,11 +127,13 @@ def test_resume_from_checkpoint_continues_bitwise(tiny_run, tmp_path):
 
 def test_a_one_rank_job_shards_the_root_only_with_the_bits_of_per_block_units(tmp_path):
     """One rank: ``parallel.fsdp_units = "auto"`` puts FSDP2 on the root only (one gather and one
-    gradient reduction a step) and trains with exactly the losses of per-block units, with
-    quantized parameters and recompute; a per-block run's checkpoint resumes under one unit with
-    the same later losses (the state dict's names and shards do not depend on the units)."""
+    gradient reduction a step) and trains with exactly the losses of per-block units, on the
+    one-GPU trainer's path (``quantized_gather`` "auto": FSDP2's one-rank gathers cast each weight
+    and take its max|w|; each GEMM quantizes), with recompute; a per-block run's checkpoint
+    resumes under one unit with the same later losses (the state dict's names and shards do not
+    depend on the units)."""
     args = [*TINY, "--steps", "4", "--set", "train.checkpoint_every=2"]
-    args += ["--set", "train.quantized_params=true", "--set", "train.recompute=true"]
+    args += ["--set", "parallel.quantized_gather=auto", "--set", "train.recompute=true"]
     root = _torchrun(*args, "--out-dir", str(tmp_path / "root"), nproc=1)
     blocks = _torchrun(*args, "--set", "parallel.fsdp_units=blocks", "--out-dir", str(tmp_path / "blocks"), nproc=1)
     line = "parallel.fsdp_units (auto: one rank): FSDP2 on the root only"
