@@ -522,6 +522,26 @@ def test_fsdp_units_auto_is_the_root_in_a_one_rank_job_only():
     assert config.load(TINY, ["parallel.fsdp_units=root", "parallel.reshard_after_forward=false"])
 
 
+def _units_on_one_rank(rank, world):
+    from torch.distributed.fsdp import FSDPModule
+
+    from dtq.launch.model import build_model
+
+    for setting, sharded in (("auto", ["root"]), ("blocks", ["root", "layers.0", "layers.1"])):
+        cfg = config.load(TINY, [f"parallel.fsdp_units={setting}"])
+        mesh = parallel.make_mesh(torch.device("cpu"), world, 1)
+        units = parallel.fsdp_units(cfg.parallel.fsdp_units, world, reshard=False)
+        model = parallel.parallelize(build_model(cfg.model), mesh, cfg, gather_quantized=False, units=units)
+        assert [n or "root" for n, m in model.named_modules() if isinstance(m, FSDPModule)] == sharded
+        with pytest.raises(ValueError, match=r"parallelize: units = 'auto'; \"blocks\" or \"root\""):
+            parallel.parallelize(build_model(cfg.model), mesh, cfg, gather_quantized=False, units="auto")
+
+
+def test_parallelize_shards_the_root_only_where_fsdp_units_says_so():
+    """The decision reaches FSDP2: with "root" no block is a ``fully_shard`` unit of its own."""
+    spawn(_units_on_one_rank, 1, backend="gloo")
+
+
 def test_optimizer_is_multi_tensor_adamw_on_cpu():
     """The fused AdamW kernel is for GPUs (where it spares the multi-tensor version's host time);
     CPU runs keep torch's default implementation, whose bits the CPU tests were written against."""
