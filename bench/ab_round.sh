@@ -12,6 +12,10 @@
 # match, else .ab_base/dtq_kernels.so.xz where .ab_base/csrc.sum names its sources (copy an earlier
 # call's keep_kernels output there), else built in the call (2-3 minutes).
 #
+# A setting against another in one tree: prepare this commit as the base (--prepare HEAD) and give
+# each tree's extra trainer arguments, e.g. EXTRA_BASE="--set parallel.fsdp_units=blocks" (and
+# EXTRA_NEW for the new tree's).
+#
 # For each tree in ORDER ("new base new" by default: a first run on a fresh lease has been slow)
 # it runs each of AB:
 #   trainer     launch/train's CONFIG (launch/configs/llama1b_1gpu.toml), RECIPE (fp8; several, e.g.
@@ -85,12 +89,20 @@ t = time.perf_counter()
 for i in range(1_000_000):
     d.get(i & 63)
 print(f"host probe {(time.perf_counter() - t) * 1e3:.0f} ns a lookup")' > "$log"
+  local extra=${EXTRA_NEW:-}
+  [[ $tree == base ]] && extra=${EXTRA_BASE:-}
   case $what in
     trainer)
+      # (word splitting of $extra intended: "--set key=value ...")
+      # shellcheck disable=SC2086
       (cd /tmp && DTQ_KERNEL_LIBRARY="$so" PYTHONPATH="$SITE$path" python3 -m dtq.launch.train --config "$CONFIG" --recipe "$recipe" \
         --set train.steps="${STEPS:-30}" --set train.log_every=10 --set train.eval_every=0 \
-        --set train.checkpoint_every=0 --set train.compile="${COMPILE:-true}" \
-        --out-dir "/tmp/ab_run_${what}_${tree}_${pos}_${recipe}" --overwrite >> "$log" 2>&1) ;;
+        --set train.checkpoint_every=0 --set train.compile="${COMPILE:-true}" $extra \
+        --out-dir "/tmp/ab_run_${what}_${tree}_${pos}_${recipe}" --overwrite >> "$log" 2>&1)
+      local rc=$?
+      # the last step still writes a checkpoint (~13 GB at 1.07 B): a few runs fill a lease's 64 GiB
+      rm -rf "/tmp/ab_run_${what}_${tree}_${pos}_${recipe}/checkpoints"
+      (exit $rc) ;;
     model_step)
       (cd /tmp && DTQ_KERNEL_LIBRARY="$so" PYTHONPATH="$SITE$path" python3 /tmp/ab_bench/model_step.py --config "$CONFIG" fp8c >> "$log" 2>&1) ;;
     fsdp)

@@ -33,6 +33,7 @@ for recipe in ${TRAIN-}; do
       --set train.checkpoint_every=0 --set train.compile=$c --out-dir "/tmp/run-$recipe-$c" --overwrite \
       > "$OUT/train-$recipe-$c.txt" 2>&1
     echo "train $recipe compile=$c rc=$? | $(grep -E 'step +[0-9]+' "$OUT/train-$recipe-$c.txt" | tail -1)"
+    rm -rf "/tmp/run-$recipe-$c/checkpoints"  # (the last step writes one: ~13 GB at 1.07 B, a lease has 64 GiB of disk)
   done
 done
 echo "total $(( $(date +%s) - start )) s"
