@@ -20,7 +20,8 @@
 # it runs each of AB:
 #   trainer     launch/train's CONFIG (launch/configs/llama1b_1gpu.toml), RECIPE (fp8; several, e.g.
 #               "fp8 bf16", run one after another for each tree), COMPILE
-#               (true), STEPS (30) steps, logging every 10: ms/step per ten steps
+#               (true), STEPS (30) steps, logging every 10: ms/step per ten steps; on NPROC GPUs
+#               (1; more: torchrun, e.g. NPROC=2 CONFIG=launch/configs/llama1b.toml)
 #   model_step  bench/model_step.py at CONFIG's shapes, FP8 compiled, no FSDP2
 #   fsdp        bench/bench_fsdp.py --preset 1b on one rank, dtq FP8 (BF16 gathers) compiled:
 #               ms/step and the host's ms per step
@@ -95,7 +96,9 @@ print(f"host probe {(time.perf_counter() - t) * 1e3:.0f} ns a lookup")' > "$log"
     trainer)
       # (word splitting of $extra intended: "--set key=value ...")
       # shellcheck disable=SC2086
-      (cd /tmp && DTQ_KERNEL_LIBRARY="$so" PYTHONPATH="$SITE$path" python3 -m dtq.launch.train --config "$CONFIG" --recipe "$recipe" \
+      local launcher=(python3)  # NPROC > 1: torchrun on that many GPUs of the lease
+      [[ ${NPROC:-1} -gt 1 ]] && launcher=(torchrun --standalone --nproc-per-node "$NPROC")
+      (cd /tmp && DTQ_KERNEL_LIBRARY="$so" PYTHONPATH="$SITE$path" "${launcher[@]}" -m dtq.launch.train --config "$CONFIG" --recipe "$recipe" \
         --set train.steps="${STEPS:-30}" --set train.log_every=10 --set train.eval_every=0 \
         --set train.checkpoint_every=0 --set train.compile="${COMPILE:-true}" $extra \
         --out-dir "/tmp/ab_run_${what}_${tree}_${pos}_${recipe}" --overwrite >> "$log" 2>&1)

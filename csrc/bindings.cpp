@@ -19,6 +19,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_alloc", &dtq::quantize_alloc,
         "amax pass, payload allocation and fused quantize of up to two directions in one call");
   m.def("transposed_u8", &dtq::transposed_u8, "Contiguous [K, M] copy of a 1-byte [M, K] matrix, allocated");
+  m.def("chunk_cat", &dtq::chunk_cat,
+        "torch._chunk_cat(tensors, 0, chunks, out) in one launch per 64 tensors (exact copies); false: not taken");
   m.def("scale_cast", &dtq::scale_cast, "((out * fa) * fb).to(dtype) of an fp32 GEMM output in one pass");
   m.def("inverse_scale", &dtq::inverse_scale, "1 / min(fmax / amax, FLT_MAX) per amax (1 where amax is not finite and > 0)");
   m.def("register_linear", &dtq::register_linear,

@@ -32,6 +32,7 @@ std::vector<at::Tensor> quantize_alloc(const at::Tensor& x, const std::vector<in
                                        const std::vector<int64_t>& fields_b, const c10::optional<at::Tensor>& amax_b,
                                        int64_t mode_b, int64_t signs, const c10::optional<at::Tensor>& seed);
 at::Tensor transposed_u8(const at::Tensor& in);
+bool chunk_cat(const std::vector<at::Tensor>& tensors, const at::Tensor& out, int64_t chunks);
 bool sm90_or_later(int device);
 int64_t register_linear(const std::vector<int64_t>& description);
 at::Tensor native_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w_data,

@@ -358,29 +358,49 @@ def one_rank_reduce_scatter():
 
 
 def one_rank_copy_in() -> None:
-    """Make FSDP2's gradient copy-in over one rank a plain concatenation. FSDP2 (2.10-2.13,
-    ``_fsdp_collectives.foreach_reduce``) packs each unit's gradients into the reduce-scatter
-    input with ``torch._chunk_cat``, whose CUDA kernel describes its grid on the host: one entry
-    per 2 KiB of output, built and copied to the device on every call (about 0.5 ms of host time
-    for a 1.07 B decoder block's 270 MB, 16 a step: host time of a host-bound FP8 step). Over one
-    rank the chunks are the whole flattened gradients, unpadded, so ``torch.cat`` into the same
-    buffer writes the same bits (a cast to the reduce dtype, which is exact or rounds alike). Other
-    world sizes, and traced FSDP2, keep FSDP2's function. Installed once per process (it replaces
-    the module function FSDP2 calls); called by :func:`one_rank_reduce_scatter`."""
+    """Make FSDP2's gradient copy-in over one rank a plain concatenation (:func:`install_copy_in`,
+    keeping a packing installed before). FSDP2 (2.10-2.13, ``_fsdp_collectives.foreach_reduce``)
+    packs each unit's gradients into the reduce-scatter input with ``torch._chunk_cat``, whose CUDA
+    kernel describes its grid on the host: one entry per 2 KiB of output, built and copied to the
+    device on every call (about 0.5 ms of host time for a 1.07 B decoder block's 270 MB, 16 a
+    step: host time of a host-bound FP8 step). Over one rank the chunks are the whole flattened
+    gradients, unpadded, so ``torch.cat`` into the same buffer writes the same bits (a cast to
+    the reduce dtype, which is exact or rounds alike). Called by :func:`one_rank_reduce_scatter`."""
+    install_copy_in()
+
+
+def install_copy_in(pack=None) -> None:
+    """Replace FSDP2's gradient copy-in (the module function ``foreach_reduce_scatter_copy_in``
+    that ``foreach_reduce`` calls, torch 2.10-2.13), process-wide: ``pack(grads, out, world_size)``
+    first (a faster packing of the same bits, e.g. dtq's kernel; it returns False, writing nothing,
+    where it does not take the call), then over one rank ``torch.cat`` (:func:`one_rank_copy_in`),
+    else FSDP2's own. ``pack`` None keeps the one installed before. Traced FSDP2 keeps its own
+    function. Installing again replaces the previous wrapper (never wraps it)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
 
-    own = getattr(collectives, "foreach_reduce_scatter_copy_in", None)
-    if own is None or getattr(own, "_dtq_one_rank", False):
+    current = getattr(collectives, "foreach_reduce_scatter_copy_in", None)
+    if current is None:
         return  # (a torch without it keeps its own packing: tests/parallel/test_torch_private.py says so)
+    own = getattr(current, "_dtq_fsdp2s", current)
+    if pack is None:
+        pack = getattr(current, "_dtq_pack", None)
+    if current is not own and getattr(current, "_dtq_pack", None) is pack:
+        return
 
     def foreach_reduce_scatter_copy_in(unsharded_grads, reduce_scatter_input, world_size):
-        if world_size != 1 or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             return own(unsharded_grads, reduce_scatter_input, world_size)
         with torch.no_grad():
-            torch.cat([g.reshape(-1) for g in unsharded_grads], out=reduce_scatter_input.view(-1))
+            if pack is not None and pack(unsharded_grads, reduce_scatter_input, world_size):
+                return None
+            if world_size == 1:
+                torch.cat([g.reshape(-1) for g in unsharded_grads], out=reduce_scatter_input.view(-1))
+                return None
+        return own(unsharded_grads, reduce_scatter_input, world_size)
 
     foreach_reduce_scatter_copy_in._dtq_one_rank = True
     foreach_reduce_scatter_copy_in._dtq_fsdp2s = own
+    foreach_reduce_scatter_copy_in._dtq_pack = pack
     collectives.foreach_reduce_scatter_copy_in = foreach_reduce_scatter_copy_in
 
 

@@ -53,6 +53,7 @@ SOURCES = (
     "transpose.cu",
     "swiglu.cu",
     "epilogue.cu",
+    "pack.cu",
     "quantize_alloc.cpp",
     "ops.cpp",
     "linear.cpp",
@@ -322,6 +323,14 @@ def cast_amax(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     out = torch.empty((), dtype=torch.float32, device=x.device)  # the kernel zeroes it first
     extension().cast_amax(x, y, out)
     return out
+
+
+def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor, chunks: int) -> bool:
+    """``torch._chunk_cat(tensors, dim=0, num_chunks=chunks, out=out.view(chunks, -1))`` (FSDP2's
+    gradient packing; over one chunk the flattened tensors concatenated) in one launch per 64
+    tensors, for contiguous CUDA tensors of one dtype copied exactly: into ``out`` of that dtype,
+    or BF16 / FP16 into FP32. False (nothing written) for any other call: run torch's then."""
+    return bool(extension().chunk_cat(tensors, out, int(chunks)))
 
 
 MAX_HISTORY = 8192  # the longest amax history delayed_amax takes (csrc/amax.cu kMaxHistory)

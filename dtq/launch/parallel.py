@@ -145,6 +145,7 @@ def parallelize(
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
+    dtq.parallel.kernel_gradient_packing()  # (the same bits as FSDP2's packing, less host and GPU time)
     if dp["dp"].size() == 1:  # FSDP2 over one rank would copy every packed gradient once more
         for unit in [*blocks, model]:
             unit.set_custom_reduce_scatter(_torch_private.one_rank_reduce_scatter())

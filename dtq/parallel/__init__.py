@@ -1,12 +1,13 @@
 """The distributed API for users: tensor/sequence-parallel styles, ``precompute_amax``,
-``gather_high_precision`` and ``one_rank_gathers`` for FSDP2, master-weight casts, CPU offload and
-byte counters. It stands on :mod:`dtq.nn`; the collectives that dtq modules run themselves are in
-:mod:`dtq.distributed`."""
+``gather_high_precision``, ``one_rank_gathers`` and ``kernel_gradient_packing`` for FSDP2,
+master-weight casts, CPU offload and byte counters. It stands on :mod:`dtq.nn`; the collectives
+that dtq modules run themselves are in :mod:`dtq.distributed`."""
 
 from dtq.distributed.comm import comm_stats
 from dtq.parallel.fsdp import (
     HighPrecisionWeight,
     gather_high_precision,
+    kernel_gradient_packing,
     one_rank_gathers,
     precompute_amax,
     resolve_quantized_gather,
@@ -22,6 +23,7 @@ __all__ = [
     "gather_high_precision",
     "resolve_quantized_gather",
     "one_rank_gathers",
+    "kernel_gradient_packing",
     "HighPrecisionWeight",
     "FlatSlice",
     "quantize_master_weights",

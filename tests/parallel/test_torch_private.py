@@ -266,6 +266,38 @@ def test_one_rank_copy_in_packs_the_bits_fsdp2s_does(grad_dtype, reduce_dtype, d
         ), (world, len(grads))
 
 
+def test_install_copy_in_offers_each_packing_to_the_given_function_first():
+    """``install_copy_in(pack)``: FSDP2's copy-in asks ``pack`` first, for every world size, and
+    where it declines runs what it ran before (torch.cat over one rank, FSDP2's own otherwise);
+    installing again without a function keeps it (``one_rank_reduce_scatter`` does so)."""
+    asked = []
+
+    def pack(grads, out, world):  # takes two ranks' packing with FSDP2's own function, declines one rank's
+        asked.append(world)
+        if world == 1:
+            return False
+        fsdp2s(grads, out, world)
+        return True
+
+    before = collectives.foreach_reduce_scatter_copy_in
+    fsdp2s = getattr(before, "_dtq_fsdp2s", before)
+    try:
+        priv.install_copy_in(pack)
+        priv.one_rank_copy_in()
+        ours = collectives.foreach_reduce_scatter_copy_in
+        assert ours._dtq_pack is pack and ours._dtq_fsdp2s is fsdp2s
+        grads = [torch.randn(5, 3), torch.randn(4)]
+        for world in (1, 2):
+            size = sum(-(-t.shape[0] // world) * world * math.prod(t.shape[1:]) for t in grads)
+            want, got = torch.full((size,), float("nan")), torch.full((size,), float("nan"))
+            fsdp2s(grads, want, world)
+            ours(grads, got, world)
+            assert torch.equal(got, want), world
+        assert asked == [1, 2]
+    finally:
+        collectives.foreach_reduce_scatter_copy_in = before
+
+
 def test_one_rank_reduce_scatter_called_by_fsdp2_reduces():
     spawn(_check_one_rank_comm_call, 1, backend="gloo")
     spawn(_check_one_rank_comm_call, 2, backend="gloo")
