@@ -13,6 +13,10 @@ the wall time per step, then the ops and kernels by GPU time and by host time
 line also summed the GPU column, counting ops and their kernels twice). A step whose
 ``cudaStreamSynchronize`` waits little is bound by host time.
 
+Under ``torchrun`` each rank prints its own tables, headed with its rank, and a line of its GPU's
+time: NCCL kernels, other kernels, and how long any ran (a rank that waits for a late one spends
+its step in NCCL's kernels).
+
 ``--stacks`` (with ``--torch-profiler``): then each kernel's time by the op that launched it, that
 op's caller, input shapes and the Python stack that issued it (the copies a step makes, say).
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pathlib
 import pstats
 import sys
@@ -148,7 +153,11 @@ def profile_steps(start: int, end: int, top: int, stacks: bool = False) -> dict:
         state["prof"].__exit__(None, None, None)
         state["done"] = True
         events = state["prof"].key_averages()
-        print(f"== torch profiler, steps {start}-{end - 1}: wall {wall * 1e3:.1f} ms/step")
+        rank = os.environ.get("RANK")
+        who = f" (rank {rank})" if rank is not None else ""
+        print(f"== torch profiler{who}, steps {start}-{end - 1}: wall {wall * 1e3:.1f} ms/step")
+        if cuda:
+            print(f"== device{who}: {device_summary(state['prof'], steps)}")
         for key in ("self_device_time_total", "self_cpu_time_total")[0 if cuda else 1 :]:
             print(events.table(sort_by=key, row_limit=top, max_name_column_width=90))
         if stacks:
@@ -156,6 +165,36 @@ def profile_steps(start: int, end: int, top: int, stacks: bool = False) -> dict:
 
     _on_steps(start, end, begin, finish)
     return state
+
+
+def device_summary(prof, steps: int) -> str:
+    """The GPU's time per step: its kernels' and copies' summed durations, NCCL's apart, and how
+    long any of them ran (the union of their intervals on all streams). Over several ranks, a rank
+    whose NCCL kernels run much longer than the others' waits in them for a late rank (NCCL's
+    kernels spin until every rank has joined, sharing the GPU with the compute beside them)."""
+    import torch
+
+    spans, nccl, other = [], 0, 0
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() != torch.autograd.DeviceType.CUDA:
+            continue
+        begin, length = e.start_ns(), e.duration_ns()
+        spans.append((begin, begin + length))
+        if "nccl" in e.name().lower():
+            nccl += length
+        else:
+            other += length
+    busy, reach = 0, None
+    for begin, end in sorted(spans):
+        if reach is None or begin > reach:
+            busy, reach = busy + end - begin, end
+        elif end > reach:
+            busy, reach = busy + end - reach, end
+    ms = 1e6 * steps
+    return (
+        f"NCCL {nccl / ms:.1f} ms/step, other kernels and copies {other / ms:.1f}, "
+        f"some GPU work running {busy / ms:.1f}"
+    )
 
 
 def print_by_stack(events, steps: int, top: int, cuda: bool) -> None:
