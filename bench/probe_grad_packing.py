@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 
 import torch
+from probe_gemm_host import us_per_call
 
 from dtq import kernels
 from dtq.launch import config
@@ -32,20 +32,6 @@ def gpu_ms(fn, n: int = 20) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / n
-
-
-def host_us(fn, n: int = 200) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t) / n * 1e6)
-        torch.cuda.synchronize()
-    return best
 
 
 def ways(grads: list[torch.Tensor], world: int) -> dict:
@@ -80,7 +66,7 @@ def main() -> None:
         moved = sum(g.numel() for g in grads) * 6  # bytes: 2 read, 4 written
         for world in (1, 2):
             gpu = {name: gpu_ms(fn) for name, fn in ways(grads, world).items()}
-            host = {name: host_us(fn) for name, fn in ways(tiny, world).items()}
+            host = {name: us_per_call(fn, 200) for name, fn in ways(tiny, world).items()}
             for name in gpu:
                 print(
                     f"{unit} ({len(grads)} gradients, {moved / 1e6:.0f} MB moved), world {world}, {name}: "
