@@ -2,8 +2,9 @@
 writes ``torch._chunk_cat``'s bits (its reference: the op FSDP2 calls) for every world size,
 dtype pair it takes, odd shapes, zero padding, more gradients than one launch holds and
 unaligned views; and declines (False, nothing written) every call it does not take. Then
-FSDP2's packing through ``dtq.parallel.kernel_gradient_packing``: the same buffer as FSDP2's
-own, and a one-GPU FSDP2 training step with the same gradients."""
+FSDP2's copy-in as ``dtq.parallel.kernel_gradient_packing`` installs it: the same buffer as
+FSDP2's own, and the kernel is what it runs on a GPU. (The trainer on GPUs runs it end to end:
+docs/benchmarks.md, "FSDP2's gradient packing in one kernel".)"""
 
 from __future__ import annotations
 
